@@ -1,0 +1,1 @@
+"""The runtime: sources (Kafka, files), trace assembly, sampling, the pipeline, commits, CLI."""

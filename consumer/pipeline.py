@@ -1,0 +1,48 @@
+"""The one code path every record takes, offline or live.
+
+    payload ──normalise──▶ EvalRecord ──computed metrics──▶ EvaluationResult ──judges──▶ sinks
+
+`tracejudge eval` (files), `tracejudge run` (Kafka) and the Python API (`tracejudge.evaluate`) all call
+`Pipeline`, so a score means the same thing wherever it was computed. The pipeline knows nothing about
+where records come from or where results go: sources and sinks live beside it in `consumer/`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tracejudge.metrics.computed import ComputedMetrics, CustomMetric
+from tracejudge.schemas.detect import normalise
+from tracejudge.schemas.record import EvalRecord, ToolCall
+from tracejudge.schemas.result import EvaluationResult, SourceRef
+
+
+class Pipeline:
+    """Normalise and score records.
+
+    `custom_metrics` are user callables (dotted paths resolved at start-up, see `CustomMetric.load`);
+    `single_tool` names tools for `trajectory_single_tool_use`; `reference_trajectory` is the
+    configured default reference used when a record states none.
+    """
+
+    def __init__(
+        self,
+        *,
+        custom_metrics: Sequence[CustomMetric] = (),
+        single_tool: Sequence[str] = (),
+        reference_trajectory: Sequence[ToolCall] | None = None,
+        app_tag: str | None = None,
+    ) -> None:
+        self.metrics = ComputedMetrics(custom=custom_metrics, single_tool=single_tool,
+                                       reference_trajectory=reference_trajectory)
+        self.app_tag = app_tag
+
+    def normalise(self, payload: bytes | str | Mapping[str, Any], fmt: str | None = None) -> EvalRecord:
+        """Decode one record of a single-record format; raises `RecordError` naming what is wrong."""
+        return normalise(payload, fmt, app_tag=self.app_tag)
+
+    def evaluate(self, record: EvalRecord, source: SourceRef) -> EvaluationResult:
+        """Computed metrics for one record. Never raises for a metric's failure: it is recorded."""
+        values, errors = self.metrics.compute(record)
+        return EvaluationResult(record=record, source=source, metrics=values, metric_errors=errors)

@@ -1,0 +1,1 @@
+"""What is measured: computed metrics, judges, and their Prometheus export."""

@@ -1,0 +1,1 @@
+"""Input formats in, one canonical evaluation record out (parsing and derivation)."""

@@ -1,0 +1,57 @@
+"""The canonical evaluation record: what every input format is normalised into.
+
+One `EvalRecord` per evaluated request. Metrics and judges read only this, so offline files, the
+Kafka stream and the Python API score the same thing the same way. Fields that the input neither
+states nor lets us derive are None, never guessed.
+
+Dataclasses, not pydantic: records are built per trace on the hot path and serialised with orjson,
+which writes slotted dataclasses natively. Input validation (with field-naming errors) happens in the
+parsers, against the pydantic input schemas in `tracejudge.schemas.inputs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tracejudge.schemas.trace import Document, TokenUsage
+
+__all__ = ["Document", "EvalRecord", "TokenUsage", "ToolCall"]
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """One step of a trajectory. Two calls are equal when name and input are equal."""
+
+    tool_name: str
+    tool_input: Any = None
+
+
+@dataclass(slots=True)
+class EvalRecord:
+    request_id: str | None = None
+    trace_id: str | None = None
+    # Bounded later (Prometheus label cap); here it is what the source said.
+    app: str | None = None
+    # Which parser produced this record: "agent_eval", "mlflow_v3", "mlflow_v2", "inference_log",
+    # "otlp_proto", "otlp_json".
+    source_format: str = "unknown"
+    request: str | None = None
+    response: str | None = None
+    retrieved_context: list[Document] | None = None
+    trajectory: list[ToolCall] | None = None
+    latency_seconds: float | None = None
+    failed: bool | None = None
+    error: str | None = None
+    tokens: TokenUsage | None = None
+    expected_response: str | None = None
+    expected_retrieved_context: list[Document] | None = None
+    expected_facts: list[str] | None = None
+    guidelines: list[str] | None = None
+    reference_trajectory: list[ToolCall] | None = None
+    # Request start, seconds since the epoch, when the source states it.
+    timestamp: float | None = None
+    # Trace tags / attributes usable in sampling filters (string values only).
+    tags: dict[str, str] = field(default_factory=dict)
+    # False when the trace was emitted by assembly before it was known to be whole.
+    complete: bool = True

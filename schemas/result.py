@@ -1,0 +1,73 @@
+"""The result line: one per evaluated record, the same shape from `tracejudge eval` (JSON Lines) and
+from `tracejudge run` (the results topic). Documented in the README under "Result schema".
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import orjson
+
+from tracejudge.schemas.record import EvalRecord
+
+
+@dataclass(slots=True)
+class Assessment:
+    """One judge's verdict on one record.
+
+    `value` is what the judge said in its own scale ("yes"/"no", 1–5, a precision); `score` is that
+    mapped to [0, 1] (1 = good); `passed` applies the judge's threshold. A judge that could not give
+    a verdict has `error` set and value/score/passed None; one that was not run has `skipped` set to
+    the reason ("missing_inputs", "not_sampled", "budget", "circuit_open", "failed_trace", …).
+    """
+
+    name: str
+    value: Any = None
+    score: float | None = None
+    passed: bool | None = None
+    rationale: str | None = None
+    error: str | None = None
+    skipped: str | None = None
+    # "llm:<model>", "heuristic", "embedding:<model>", …
+    source: str | None = None
+    duration_seconds: float | None = None
+
+
+@dataclass(slots=True)
+class SourceRef:
+    """Where the record came from: a file line, or a Kafka topic/partition/offset."""
+
+    format: str
+    file: str | None = None
+    line: int | None = None
+    topic: str | None = None
+    partition: int | None = None
+    offset: int | None = None
+
+
+@dataclass(slots=True)
+class EvaluationResult:
+    record: EvalRecord
+    source: SourceRef
+    # Computed metric values by name; a metric that raised has None here and its error below.
+    metrics: dict[str, float | None] = field(default_factory=dict)
+    metric_errors: dict[str, str] = field(default_factory=dict)
+    assessments: list[Assessment] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self.record)
+        out["source"] = asdict(self.source)
+        out["metrics"] = self.metrics
+        out["metric_errors"] = self.metric_errors
+        out["assessments"] = [asdict(a) for a in self.assessments]
+        return out
+
+    def to_json(self) -> bytes:
+        # orjson serialises the nested dataclasses directly; no intermediate dict walk.
+        return orjson.dumps(self.to_dict())
+
+    @property
+    def key(self) -> str | None:
+        """The Kafka key of the result: the trace id, else the request id."""
+        return self.record.trace_id or self.record.request_id

@@ -1,0 +1,115 @@
+"""The format-neutral trace every input parser produces.
+
+MLflow JSON (3.x and 2.x), OTLP spans under the GenAI / OpenInference / Traceloop conventions and
+inference-table rows all end up as a `Trace` of `Span`s before anything is derived from them, so
+derivation (`tracejudge.schemas.derive`) is written once and cannot drift between formats.
+
+These are plain slotted dataclasses rather than pydantic models on purpose: a trace is built on the
+hot path of the stream (tens of thousands per second), and validation errors are raised by the
+parsers, which know the field and the position that was wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class SpanKind(StrEnum):
+    """What a span does, in MLflow's vocabulary (`mlflow.spanType`); other conventions map onto it."""
+
+    AGENT = "AGENT"
+    CHAIN = "CHAIN"
+    LLM = "LLM"
+    CHAT_MODEL = "CHAT_MODEL"
+    RETRIEVER = "RETRIEVER"
+    TOOL = "TOOL"
+    EMBEDDING = "EMBEDDING"
+    RERANKER = "RERANKER"
+    PARSER = "PARSER"
+    UNKNOWN = "UNKNOWN"
+
+    @property
+    def is_model_call(self) -> bool:
+        return self in (SpanKind.LLM, SpanKind.CHAT_MODEL)
+
+
+class SpanStatus(StrEnum):
+    OK = "OK"
+    ERROR = "ERROR"
+    UNSET = "UNSET"
+
+
+@dataclass(slots=True)
+class TokenUsage:
+    """Token counts; any of them may be unknown (None), never guessed."""
+
+    input: int | None = None
+    output: int | None = None
+    total: int | None = None
+
+    def with_total(self) -> TokenUsage:
+        """Fill `total` from input + output when only the parts were stated."""
+        if self.total is None and self.input is not None and self.output is not None:
+            return TokenUsage(self.input, self.output, self.input + self.output)
+        return self
+
+
+@dataclass(slots=True)
+class Document:
+    """One retrieved chunk: MLflow's `{content, doc_uri}` shape."""
+
+    content: str | None
+    doc_uri: str | None = None
+
+
+@dataclass(slots=True)
+class Span:
+    """One span, ids as lowercase hex whatever the wire encoding was.
+
+    `inputs`/`outputs` are the decoded payloads (`mlflow.spanInputs`, `input.value`, …) or None when
+    the span did not record them. `documents` is set by parsers whose convention states retrieved
+    documents separately from the outputs (OpenInference `retrieval.documents.N.*`); otherwise the
+    documents of a RETRIEVER span are read from its outputs during derivation.
+    """
+
+    span_id: str
+    parent_id: str | None
+    name: str
+    start_ns: int
+    end_ns: int | None
+    kind: SpanKind = SpanKind.UNKNOWN
+    status: SpanStatus = SpanStatus.UNSET
+    status_message: str = ""
+    inputs: Any = None
+    outputs: Any = None
+    token_usage: TokenUsage | None = None
+    # "ValueError: tool exploded" when the span carries an `exception` event.
+    exception: str | None = None
+    documents: list[Document] | None = None
+    tool_name: str | None = None
+    attributes: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Trace:
+    """A whole trace as one source stated it. Fields a source does not state stay None."""
+
+    trace_id: str
+    spans: list[Span]
+    source_format: str
+    app: str | None = None
+    client_request_id: str | None = None
+    # "OK" / "ERROR" / "IN_PROGRESS" when the source states a trace-level state.
+    state: str | None = None
+    request_time_ms: int | None = None
+    duration_ms: float | None = None
+    # Trace-level usage (`mlflow.trace.tokenUsage`) wins over the sum of span usage.
+    token_usage: TokenUsage | None = None
+    tags: dict[str, str] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+    # Expectations logged on the trace as MLflow assessments (`expected_response`, `expected_facts`, …).
+    expectations: dict[str, Any] = field(default_factory=dict)
+    # False when trace assembly had to emit the trace before its root span or quiet period arrived.
+    complete: bool = True
