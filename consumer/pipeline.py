@@ -9,33 +9,25 @@ where records come from or where results go: sources and sinks live beside it in
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from tracejudge.metrics.computed import ComputedMetrics, CustomMetric
+from tracejudge.metrics.computed import ComputedMetrics
 from tracejudge.schemas.detect import normalise
-from tracejudge.schemas.record import EvalRecord, ToolCall
+from tracejudge.schemas.record import EvalRecord
 from tracejudge.schemas.result import EvaluationResult, SourceRef
 
 
 class Pipeline:
     """Normalise and score records.
 
-    `custom_metrics` are user callables (dotted paths resolved at start-up, see `CustomMetric.load`);
-    `single_tool` names tools for `trajectory_single_tool_use`; `reference_trajectory` is the
-    configured default reference used when a record states none.
+    `metrics` defaults to the built-in computed metrics; build it with `ComputedMetrics.from_config`
+    to add custom metric functions and trajectory settings. `app_tag` names the trace tag whose value
+    becomes the record's `app` (else the source's own notion: MLflow experiment, OTel service.name).
     """
 
-    def __init__(
-        self,
-        *,
-        custom_metrics: Sequence[CustomMetric] = (),
-        single_tool: Sequence[str] = (),
-        reference_trajectory: Sequence[ToolCall] | None = None,
-        app_tag: str | None = None,
-    ) -> None:
-        self.metrics = ComputedMetrics(custom=custom_metrics, single_tool=single_tool,
-                                       reference_trajectory=reference_trajectory)
+    def __init__(self, *, metrics: ComputedMetrics | None = None, app_tag: str | None = None) -> None:
+        self.metrics = metrics or ComputedMetrics()
         self.app_tag = app_tag
 
     def normalise(self, payload: bytes | str | Mapping[str, Any], fmt: str | None = None) -> EvalRecord:

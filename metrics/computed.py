@@ -1,24 +1,243 @@
-"""PLACEHOLDER (the lead is writing this file): computed metrics."""
+"""Metrics computed for every record, with no model: timing, failure, tokens, retrieval, trajectory,
+and the user's own metric functions.
+
+Definitions follow ../shared/notes/metrics.md (Databricks / Vertex names in the README). A metric whose
+inputs are absent is left out of the result rather than reported as 0: "no reference trajectory" and
+"a trajectory that matched nothing" must not look the same on a dashboard.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib
+import math
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
 from tracejudge.schemas.record import EvalRecord, ToolCall
 
+# Metrics whose value is a ratio in [0, 1]: these are what `tracejudge_metric_value` histograms.
+RATIO_METRICS = frozenset({
+    "document_recall",
+    "trajectory_exact_match",
+    "trajectory_in_order_match",
+    "trajectory_any_order_match",
+    "trajectory_precision",
+    "trajectory_recall",
+    "trajectory_single_tool_use",
+})
 
-@dataclass
+
+class CustomMetricConfig(BaseModel):
+    """`metrics.custom[]` in the configuration file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+    # "package.module:function" or "package.module.function".
+    function: str
+    # Declares the values to lie in [0, 1], so they are exported to `tracejudge_metric_value`.
+    ratio: bool = False
+
+
+class TrajectoryConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # The tool whose use `trajectory_single_tool_use` checks; the metric is off when unset.
+    single_tool_use: str | None = None
+    # A default reference trajectory for records that state none.
+    reference: list[ToolCallConfig] | None = None
+
+
+class ToolCallConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tool_name: str
+    tool_input: Any = None
+
+
+class MetricsConfig(BaseModel):
+    """The `metrics:` section of the configuration file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    custom: list[CustomMetricConfig] = Field(default_factory=list)
+    trajectory: TrajectoryConfig = Field(default_factory=TrajectoryConfig)
+
+    @field_validator("custom")
+    @classmethod
+    def _unique_names(cls, v: list[CustomMetricConfig]) -> list[CustomMetricConfig]:
+        seen: set[str] = set()
+        for m in v:
+            if m.name in seen or m.name in BUILTIN_METRICS:
+                raise ValueError(f"custom metric name {m.name!r} is already taken")
+            seen.add(m.name)
+        return v
+
+
+BUILTIN_METRICS = frozenset({
+    "latency_seconds", "failed", "input_tokens", "output_tokens", "total_tokens", "retrieved_documents",
+}) | RATIO_METRICS
+
+
+class MetricLoadError(ValueError):
+    """A custom metric's function could not be imported; raised at start-up, before any record."""
+
+
+@dataclass(frozen=True, slots=True)
 class CustomMetric:
+    """A user function `f(record: EvalRecord) -> float | dict[str, float] | None`."""
+
     name: str
-    fn: Any
+    fn: Callable[[EvalRecord], Any]
+    ratio: bool = False
+
+    @classmethod
+    def load(cls, config: CustomMetricConfig) -> CustomMetric:
+        path = config.function
+        module_name, sep, attr = path.partition(":")
+        if not sep:
+            module_name, _, attr = path.rpartition(".")
+        if not module_name or not attr:
+            raise MetricLoadError(f"metrics.custom[{config.name}].function: {path!r} is not a dotted path "
+                                  "like 'package.module:function'")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise MetricLoadError(f"metrics.custom[{config.name}].function: cannot import {module_name!r}: "
+                                  f"{exc}") from exc
+        fn = getattr(module, attr, None)
+        if not callable(fn):
+            raise MetricLoadError(f"metrics.custom[{config.name}].function: {module_name!r} has no callable "
+                                  f"{attr!r}")
+        return cls(config.name, fn, config.ratio)
 
 
 class ComputedMetrics:
-    def __init__(self, *, custom: Sequence[CustomMetric] = (), single_tool: Sequence[str] = (),
+    """Computes every applicable metric for a record; never raises for a metric's own failure."""
+
+    def __init__(self, *, custom: Sequence[CustomMetric] = (), single_tool: Sequence[str] | str = (),
                  reference_trajectory: Sequence[ToolCall] | None = None) -> None:
         self.custom = list(custom)
+        self.single_tool = [single_tool] if isinstance(single_tool, str) else list(single_tool)
+        self.reference_trajectory = list(reference_trajectory) if reference_trajectory is not None else None
+        self.ratio_metrics = RATIO_METRICS | {m.name for m in self.custom if m.ratio}
+
+    @classmethod
+    def from_config(cls, config: MetricsConfig) -> ComputedMetrics:
+        ref = config.trajectory.reference
+        reference = [ToolCall(t.tool_name, t.tool_input) for t in ref] if ref is not None else None
+        return cls(
+            custom=[CustomMetric.load(c) for c in config.custom],
+            single_tool=config.trajectory.single_tool_use or (),
+            reference_trajectory=reference,
+        )
 
     def compute(self, record: EvalRecord) -> tuple[dict[str, float | None], dict[str, str]]:
-        return {"latency_seconds": record.latency_seconds}, {}
+        values: dict[str, float | None] = {}
+        errors: dict[str, str] = {}
+        values["latency_seconds"] = record.latency_seconds
+        values["failed"] = None if record.failed is None else float(record.failed)
+        tokens = record.tokens
+        values["input_tokens"] = _num(tokens.input) if tokens else None
+        values["output_tokens"] = _num(tokens.output) if tokens else None
+        values["total_tokens"] = _num(tokens.total) if tokens else None
+        values["retrieved_documents"] = (
+            float(len(record.retrieved_context)) if record.retrieved_context is not None else None
+        )
+        recall = document_recall(record)
+        if recall is not None:
+            values["document_recall"] = recall
+        reference = record.reference_trajectory
+        if reference is None:
+            reference = self.reference_trajectory
+        if record.trajectory is not None:
+            if reference is not None:
+                values.update(trajectory_metrics(record.trajectory, reference))
+            for tool in self.single_tool:
+                values["trajectory_single_tool_use"] = trajectory_single_tool_use(record.trajectory, tool)
+        for metric in self.custom:
+            _run_custom(metric, record, values, errors)
+        return values, errors
+
+
+def _num(v: int | float | None) -> float | None:
+    return None if v is None else float(v)
+
+
+def _run_custom(metric: CustomMetric, record: EvalRecord, values: dict[str, float | None],
+                errors: dict[str, str]) -> None:
+    # A user function must never take the consumer down: its failure is that metric's error.
+    try:
+        out = metric.fn(record)
+    except Exception as exc:
+        values[metric.name] = None
+        errors[metric.name] = f"{type(exc).__name__}: {exc}"[:500]
+        return
+    items: Iterable[tuple[str, Any]]
+    if isinstance(out, Mapping):
+        items = ((f"{metric.name}.{k}", v) for k, v in out.items())
+    else:
+        items = ((metric.name, out),)
+    for name, v in items:
+        if v is None:
+            values[name] = None
+        elif isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            values[name] = None
+            errors[name] = f"returned {type(v).__name__} {v!r:.80}, expected a finite number"
+        else:
+            values[name] = float(v)
+
+
+def document_recall(record: EvalRecord) -> float | None:
+    """Share of expected `doc_uri`s found among the retrieved ones; None without expected URIs."""
+    expected = {d.doc_uri for d in record.expected_retrieved_context or () if d.doc_uri}
+    if not expected:
+        return None
+    retrieved = {d.doc_uri for d in record.retrieved_context or () if d.doc_uri}
+    return len(expected & retrieved) / len(expected)
+
+
+def _call_key(call: ToolCall) -> tuple[str, bytes]:
+    # Inputs are compared as canonical JSON so {"a":1,"b":2} equals {"b":2,"a":1}.
+    try:
+        canon = orjson.dumps(call.tool_input, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
+    except TypeError:
+        canon = repr(call.tool_input).encode()
+    return call.tool_name, canon
+
+
+def trajectory_metrics(predicted: Sequence[ToolCall], reference: Sequence[ToolCall]) -> dict[str, float]:
+    """The five reference-based trajectory metrics (Vertex AI's definitions).
+
+    Calls are matched as a multiset: a reference call is matched by at most one predicted call, so
+    calling a tool twice when the reference calls it once costs precision. Empty cases: an empty
+    reference is matched by anything in order (in-order/any-order = 1, recall = 1); an empty
+    prediction has precision 1 when the reference is empty too, else 0.
+    """
+    p = [_call_key(c) for c in predicted]
+    r = [_call_key(c) for c in reference]
+    matched = sum((Counter(p) & Counter(r)).values())
+    return {
+        "trajectory_exact_match": float(p == r),
+        "trajectory_in_order_match": float(_is_subsequence(r, p)),
+        "trajectory_any_order_match": float(not (Counter(r) - Counter(p))),
+        "trajectory_precision": matched / len(p) if p else float(not r),
+        "trajectory_recall": matched / len(r) if r else 1.0,
+    }
+
+
+def _is_subsequence(needle: Sequence[Any], haystack: Sequence[Any]) -> bool:
+    it = iter(haystack)
+    return all(any(x == y for y in it) for x in needle)
+
+
+def trajectory_single_tool_use(predicted: Sequence[ToolCall], tool_name: str) -> float:
+    return float(any(c.tool_name == tool_name for c in predicted))
+
+
+TrajectoryConfig.model_rebuild()
