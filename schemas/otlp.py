@@ -1,0 +1,396 @@
+"""OTLP trace messages, as the OpenTelemetry Collector's Kafka exporter writes them, -> `Span`s.
+
+One Kafka record is one `ExportTraceServiceRequest`: encoding `otlp_proto` (the default) is its
+protobuf, `otlp_json` its OTLP/JSON form. A record may mix many traces, resources and services, and the
+spans of one trace are spread across many records, so decoding stops at spans grouped per (resource,
+trace): `SpanGroup`. `tracejudge.consumer.assembly` buffers the groups of a trace until it is whole,
+then `build_trace` makes the format-neutral `Trace`.
+
+OTLP/JSON is not protobuf's canonical JSON: trace and span ids are hex (protobuf JSON would read a
+32-char hex trace id as base64 and silently produce 24 bytes), enums are integers, 64-bit integers
+are decimal strings. It is walked here directly rather than through `json_format`, which is both
+slower and wrong about the ids. Base64 ids, enum names and snake_case field names (what
+`MessageToJson`-style writers produce) are accepted too: their lengths never collide with hex ones.
+
+A record is all-or-nothing: a structurally bad span makes the whole record a `RecordError` naming the
+span's path (`resourceSpans[0].scopeSpans[1].spans[3].traceId`), so a record is either assembled whole
+or dead-lettered whole.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import orjson
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from tracejudge.schemas import errors
+from tracejudge.schemas.conventions import STATUS_ERROR, STATUS_OK, STATUS_UNSET, span_from_otel
+from tracejudge.schemas.errors import RecordError
+from tracejudge.schemas.trace import Span, SpanStatus, Trace
+
+FORMAT_PROTO: Final = "otlp_proto"
+FORMAT_JSON: Final = "otlp_json"
+FORMATS: Final = (FORMAT_PROTO, FORMAT_JSON)
+
+_ZERO_TRACE: Final = b"\x00" * 16
+_ZERO_SPAN: Final = b"\x00" * 8
+_HEX: Final = frozenset("0123456789abcdefABCDEF")
+# Only these events are read (exceptions, vector-DB hits); other events' attributes are never decoded.
+_READ_EVENTS: Final = frozenset({"exception", "db.query.result"})
+_STATUS_NAMES: Final = {"STATUS_CODE_UNSET": STATUS_UNSET, "STATUS_CODE_OK": STATUS_OK,
+                        "STATUS_CODE_ERROR": STATUS_ERROR}
+
+
+@dataclass(slots=True)
+class SpanGroup:
+    """The spans of one trace from one resource of one message; `service` is its `service.name`."""
+
+    trace_id: str
+    service: str | None
+    spans: list[Span]
+
+
+def detect_format(payload: bytes | str) -> str:
+    """OTLP/JSON starts with `{` (after whitespace); anything else is read as protobuf."""
+    if isinstance(payload, str):
+        return FORMAT_JSON
+    head = payload[:64].lstrip()
+    return FORMAT_JSON if head[:1] == b"{" else FORMAT_PROTO
+
+
+def is_otlp_json(obj: Any) -> bool:
+    """True for a decoded JSON object that is an OTLP trace request (`{"resourceSpans": [...]}`)."""
+    return isinstance(obj, Mapping) and ("resourceSpans" in obj or "resource_spans" in obj)
+
+
+def decode(payload: bytes | str, fmt: str | None = None) -> tuple[str, list[SpanGroup]]:
+    """Decode one record; `fmt` is the topic's configured format, None to detect it per record."""
+    fmt = fmt or detect_format(payload)
+    if fmt == FORMAT_JSON:
+        return fmt, decode_json(payload)
+    if fmt == FORMAT_PROTO:
+        if isinstance(payload, str):
+            raise RecordError(errors.INVALID_PROTOBUF, "an otlp_proto record must be bytes, not text")
+        return fmt, decode_proto(payload)
+    raise ValueError(f"unknown OTLP format {fmt!r}; expected one of {', '.join(FORMATS)}")
+
+
+# --- protobuf ---------------------------------------------------------------------------------------
+
+
+def decode_proto(payload: bytes) -> list[SpanGroup]:
+    try:
+        request = ExportTraceServiceRequest.FromString(payload)
+    except DecodeError as exc:
+        hint = " (it starts like JSON: is the topic otlp_json?)" if payload.lstrip()[:1] == b"{" else ""
+        raise RecordError(errors.INVALID_PROTOBUF,
+                          f"not an OTLP ExportTraceServiceRequest: {exc}{hint}") from exc
+    groups: list[SpanGroup] = []
+    for ri, resource_spans in enumerate(request.resource_spans):
+        service = _service(_proto_attributes(resource_spans.resource.attributes))
+        by_trace: dict[bytes, SpanGroup] = {}
+        for si, scope_spans in enumerate(resource_spans.scope_spans):
+            for pi, sp in enumerate(scope_spans.spans):
+                trace_id = sp.trace_id
+                if len(trace_id) != 16 or trace_id == _ZERO_TRACE:
+                    raise RecordError(errors.INVALID_RECORD, _bad_id("trace", 16, trace_id),
+                                      f"{_path(ri, si, pi)}.traceId")
+                span_id = sp.span_id
+                if len(span_id) != 8 or span_id == _ZERO_SPAN:
+                    raise RecordError(errors.INVALID_RECORD, _bad_id("span", 8, span_id),
+                                      f"{_path(ri, si, pi)}.spanId")
+                parent = sp.parent_span_id
+                if parent and len(parent) != 8:
+                    raise RecordError(errors.INVALID_RECORD, _bad_id("parent span", 8, parent),
+                                      f"{_path(ri, si, pi)}.parentSpanId")
+                events = [(e.name, _proto_attributes(e.attributes) if e.name in _READ_EVENTS else {})
+                          for e in sp.events]
+                span = span_from_otel(
+                    span_id=span_id.hex(),
+                    parent_id=parent.hex() if parent and parent != _ZERO_SPAN else None,
+                    name=sp.name,
+                    start_ns=sp.start_time_unix_nano,
+                    end_ns=sp.end_time_unix_nano or None,
+                    status_code=sp.status.code,
+                    status_message=sp.status.message,
+                    attributes=_proto_attributes(sp.attributes),
+                    events=events,
+                )
+                group = by_trace.get(trace_id)
+                if group is None:
+                    group = by_trace[trace_id] = SpanGroup(trace_id.hex(), service, [])
+                group.spans.append(span)
+        groups.extend(by_trace.values())
+    return groups
+
+
+def _proto_attributes(kvs: Any) -> dict[str, Any]:
+    return {kv.key: _proto_value(kv.value) for kv in kvs}
+
+
+def _proto_value(value: Any) -> Any:
+    which = value.WhichOneof("value")
+    if which == "string_value":
+        return value.string_value
+    if which in ("int_value", "double_value", "bool_value"):
+        return getattr(value, which)
+    if which == "array_value":
+        return [_proto_value(v) for v in value.array_value.values]
+    if which == "kvlist_value":
+        return {kv.key: _proto_value(kv.value) for kv in value.kvlist_value.values}
+    if which == "bytes_value":
+        # As OTLP/JSON writes bytes: base64, so both encodings give the same attribute value.
+        return base64.b64encode(value.bytes_value).decode()
+    return None
+
+
+def _bad_id(what: str, size: int, got: bytes) -> str:
+    if len(got) == size:
+        return f"{what} id is all zeros (invalid)"
+    return f"{what} id must be {size} bytes, got {len(got)}"
+
+
+# --- OTLP/JSON --------------------------------------------------------------------------------------
+
+
+def decode_json(payload: bytes | str | Mapping[str, Any]) -> list[SpanGroup]:
+    """Decode OTLP/JSON (hex ids, integer enums, 64-bit integers as strings)."""
+    if isinstance(payload, Mapping):
+        doc: Any = payload
+    else:
+        try:
+            doc = orjson.loads(payload)
+        except orjson.JSONDecodeError as exc:
+            raise RecordError(errors.INVALID_JSON, f"not valid JSON: {exc}") from exc
+    if not is_otlp_json(doc):
+        raise RecordError(errors.INVALID_RECORD, "an OTLP/JSON trace record must be an object with "
+                          "'resourceSpans'", "resourceSpans")
+    groups: list[SpanGroup] = []
+    for ri, resource_spans in enumerate(_list(_field(doc, "resourceSpans", "resource_spans"),
+                                              "resourceSpans")):
+        where_r = f"resourceSpans[{ri}]"
+        _object(resource_spans, where_r)
+        resource = _field(resource_spans, "resource", "resource") or {}
+        _object(resource, f"{where_r}.resource")
+        service = _service(_json_attributes(resource.get("attributes"), f"{where_r}.resource.attributes"))
+        by_trace: dict[str, SpanGroup] = {}
+        scopes = _list(_field(resource_spans, "scopeSpans", "scope_spans"), f"{where_r}.scopeSpans")
+        for si, scope_spans in enumerate(scopes):
+            _object(scope_spans, f"{where_r}.scopeSpans[{si}]")
+            for pi, sp in enumerate(_list(scope_spans.get("spans"), f"{where_r}.scopeSpans[{si}].spans")):
+                where = _path(ri, si, pi)
+                _object(sp, where)
+                trace_id = _json_id(_field(sp, "traceId", "trace_id"), 16, f"{where}.traceId")
+                if trace_id is None:
+                    raise RecordError(errors.INVALID_RECORD, "traceId is missing", f"{where}.traceId")
+                span_id = _json_id(_field(sp, "spanId", "span_id"), 8, f"{where}.spanId")
+                if span_id is None:
+                    raise RecordError(errors.INVALID_RECORD, "spanId is missing", f"{where}.spanId")
+                parent = _json_id(_field(sp, "parentSpanId", "parent_span_id"), 8, f"{where}.parentSpanId",
+                                  zero_ok=True)
+                status = sp.get("status") or {}
+                _object(status, f"{where}.status")
+                events = []
+                for ei, event in enumerate(_list(sp.get("events"), f"{where}.events")):
+                    _object(event, f"{where}.events[{ei}]")
+                    name = event.get("name") or ""
+                    attrs = (_json_attributes(event.get("attributes"), f"{where}.events[{ei}].attributes")
+                             if name in _READ_EVENTS else {})
+                    events.append((name, attrs))
+                end_ns = _json_int(_field(sp, "endTimeUnixNano", "end_time_unix_nano"),
+                                   f"{where}.endTimeUnixNano")
+                span = span_from_otel(
+                    span_id=span_id,
+                    parent_id=parent,
+                    name=_string(sp.get("name"), f"{where}.name"),
+                    start_ns=_json_int(_field(sp, "startTimeUnixNano", "start_time_unix_nano"),
+                                       f"{where}.startTimeUnixNano"),
+                    end_ns=end_ns or None,
+                    status_code=_status_code(status.get("code"), f"{where}.status.code"),
+                    status_message=_string(status.get("message"), f"{where}.status.message"),
+                    attributes=_json_attributes(sp.get("attributes"), f"{where}.attributes"),
+                    events=events,
+                )
+                group = by_trace.get(trace_id)
+                if group is None:
+                    group = by_trace[trace_id] = SpanGroup(trace_id, service, [])
+                group.spans.append(span)
+        groups.extend(by_trace.values())
+    return groups
+
+
+def _field(obj: Mapping[str, Any], camel: str, snake: str) -> Any:
+    value = obj.get(camel)
+    return obj.get(snake) if value is None else value
+
+
+def _object(value: Any, where: str) -> None:
+    if not isinstance(value, Mapping):
+        raise RecordError(errors.INVALID_RECORD, f"expected an object, got {type(value).__name__}", where)
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise RecordError(errors.INVALID_RECORD, f"expected an array, got {type(value).__name__}", where)
+    return value
+
+
+def _string(value: Any, where: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise RecordError(errors.INVALID_RECORD, f"expected a string, got {type(value).__name__}", where)
+    return value
+
+
+def _json_id(value: Any, size: int, where: str, *, zero_ok: bool = False) -> str | None:
+    """A hex id (OTLP/JSON), or a base64 one (protobuf JSON), as lowercase hex; "" -> None."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise RecordError(errors.INVALID_RECORD, f"expected a hex string, got {type(value).__name__}", where)
+    if len(value) == 2 * size and _HEX.issuperset(value):
+        hex_id = value.lower()
+    else:
+        # Protobuf JSON writes base64 (16 bytes -> 24 chars, 8 -> 12): never the hex lengths.
+        try:
+            raw = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raw = b""
+        if len(raw) != size:
+            raise RecordError(errors.INVALID_RECORD,
+                              f"expected {2 * size} hex characters, got {value[:40]!r}", where)
+        hex_id = raw.hex()
+    if hex_id.count("0") == 2 * size:
+        if zero_ok:
+            return None
+        raise RecordError(errors.INVALID_RECORD, "id is all zeros (invalid)", where)
+    return hex_id
+
+
+def _json_int(value: Any, where: str) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    raise RecordError(errors.INVALID_RECORD, f"expected an integer (decimal string), got {value!r:.40}",
+                      where)
+
+
+def _status_code(value: Any, where: str) -> int:
+    if value is None:
+        return STATUS_UNSET
+    if isinstance(value, str) and value in _STATUS_NAMES:
+        return _STATUS_NAMES[value]
+    code = _json_int(value, where)
+    if code not in (STATUS_UNSET, STATUS_OK, STATUS_ERROR):
+        raise RecordError(errors.INVALID_RECORD, f"unknown status code {code}", where)
+    return code
+
+
+def _json_attributes(kvs: Any, where: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for i, kv in enumerate(_list(kvs, where)):
+        if not isinstance(kv, Mapping) or not isinstance(kv.get("key"), str):
+            raise RecordError(errors.INVALID_RECORD, "expected {\"key\": <string>, \"value\": {...}}",
+                              f"{where}[{i}]")
+        out[kv["key"]] = _json_value(kv.get("value"), f"{where}[{i}].value")
+    return out
+
+
+def _json_value(value: Any, where: str) -> Any:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise RecordError(errors.INVALID_RECORD, f"expected an AnyValue object, got {type(value).__name__}",
+                          where)
+    for key, item in value.items():
+        if key in ("stringValue", "string_value"):
+            return _string(item, where)
+        if key in ("intValue", "int_value"):
+            return _json_int(item, where)
+        if key in ("boolValue", "bool_value"):
+            if not isinstance(item, bool):
+                raise RecordError(errors.INVALID_RECORD, f"expected true/false, got {item!r:.40}", where)
+            return item
+        if key in ("doubleValue", "double_value"):
+            return _json_double(item, where)
+        if key in ("arrayValue", "array_value"):
+            values = _list((item or {}).get("values"), f"{where}.arrayValue.values")
+            return [_json_value(v, f"{where}.arrayValue.values[{i}]") for i, v in enumerate(values)]
+        if key in ("kvlistValue", "kvlist_value"):
+            return _json_attributes((item or {}).get("values"), f"{where}.kvlistValue.values")
+        if key in ("bytesValue", "bytes_value"):
+            return _string(item, where)
+    return None
+
+
+def _json_double(value: Any, where: str) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)  # also "NaN", "Infinity", "-Infinity": how JSON spells them
+        except ValueError:
+            pass
+    raise RecordError(errors.INVALID_RECORD, f"expected a number, got {value!r:.40}", where)
+
+
+# --- both -------------------------------------------------------------------------------------------
+
+
+def _path(ri: int, si: int, pi: int) -> str:
+    return f"resourceSpans[{ri}].scopeSpans[{si}].spans[{pi}]"
+
+
+def _service(resource: Mapping[str, Any]) -> str | None:
+    name = resource.get("service.name")
+    # The SDK's placeholder when the app set no name; it identifies nothing.
+    if not isinstance(name, str) or not name or name.startswith("unknown_service"):
+        return None
+    return name
+
+
+_SESSION_KEYS: Final = ("session.id", "gen_ai.conversation.id")
+_TAG_PREFIX: Final = "mlflow.traceTag."
+
+
+def build_trace(trace_id: str, spans: Sequence[Span], *, source_format: str, app: str | None = None,
+                complete: bool = True) -> Trace:
+    """The assembled `Trace` of one trace's spans (in any order; duplicates by span id dropped)."""
+    unique = {s.span_id: s for s in spans}
+    ordered = sorted(unique.values(), key=lambda s: s.start_ns)
+    root = next((s for s in ordered if s.parent_id is None), None)
+    trace = Trace(trace_id=trace_id, spans=ordered, source_format=source_format, app=app,
+                  complete=complete)
+    if root is not None:
+        trace.state = "ERROR" if root.status is SpanStatus.ERROR else "OK"
+        trace.request_time_ms = root.start_ns // 1_000_000
+        if root.end_ns is not None:
+            trace.duration_ms = (root.end_ns - root.start_ns) / 1e6
+        for key, value in root.attributes.items():
+            if key.startswith(_TAG_PREFIX) and isinstance(value, str):
+                trace.tags[key[len(_TAG_PREFIX):]] = value
+    # Context attributes OpenInference/GenAI propagate to every span; the MLflow ingest names them so.
+    for span in ordered:
+        attrs = span.attributes
+        if "mlflow.trace.session" not in trace.metadata:
+            session = next((attrs[k] for k in _SESSION_KEYS if isinstance(attrs.get(k), str)), None)
+            if session is not None:
+                trace.metadata["mlflow.trace.session"] = session
+        if "mlflow.trace.user" not in trace.metadata and isinstance(attrs.get("user.id"), str):
+            trace.metadata["mlflow.trace.user"] = attrs["user.id"]
+    return trace
