@@ -1,27 +1,127 @@
-"""PLACEHOLDER (owned by the foundation engineer, who replaces this file): detect a record's format and
-normalise it into an `EvalRecord`."""
+"""Detect a record's format and normalise it into an `EvalRecord`: the one entry point every
+single-record input takes (files, Kafka values, the Python API).
+
+Detection rules, applied per record when the format is "auto" (first match wins):
+
+1. an object with `info` (and `data`): an MLflow trace, `Trace.to_json()`; 2.x when `info` has
+   `request_id` and no `trace_id`, else 3.x;
+2. an object with a serving-log column (`databricks_request_id`, `served_entity_id`,
+   `request_metadata`, `status_code`, `execution_duration_ms`, `execution_time_ms`,
+   `logging_error_codes`, `sampling_fraction`): an inference-log row;
+3. an object with `request`, `response`, `trace`, `inputs`, `outputs`, `expected_response` or
+   `retrieved_context`: an agent-evaluation record;
+4. anything else is rejected (`unknown_format`), naming the keys it had. OTLP export requests
+   (`resourceSpans`) are spans, not records: they go through trace assembly
+   (`--format otlp_json` / `otlp_proto`), never through here.
+"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
 from tracejudge.schemas import errors
+from tracejudge.schemas.agent_eval import is_agent_eval_record, normalise_agent_eval
+from tracejudge.schemas.derive import derive
 from tracejudge.schemas.errors import RecordError
+from tracejudge.schemas.inference_log import is_inference_log_row, normalise_row
+from tracejudge.schemas.mlflow import is_mlflow_trace, parse_trace
 from tracejudge.schemas.record import EvalRecord
+
+__all__ = ["FORMATS", "SPAN_FORMATS", "decode", "detect", "normalise"]
+
+# Single-record formats this module normalises ("auto" detects one of the others per record).
+FORMATS: Final = frozenset({"auto", "agent_eval", "mlflow", "inference_log"})
+_PARSER_BUGS = (ValueError, TypeError, KeyError, AttributeError, IndexError, OverflowError, RecursionError)
+# Span formats: records are spans of many traces, assembled elsewhere.
+SPAN_FORMATS: Final = frozenset({"otlp_proto", "otlp_json"})
+
+
+def decode(payload: bytes | str | Mapping[str, Any]) -> Mapping[str, Any]:
+    """JSON bytes/text -> an object; raises `RecordError` (invalid_json / not_utf8 / invalid_record)."""
+    if isinstance(payload, Mapping):
+        return payload
+    if isinstance(payload, (bytes, bytearray, memoryview, str)):
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError as exc:
+            obj = _decode_slow(payload, exc)
+    else:
+        raise RecordError(errors.INVALID_RECORD,
+                          f"expected JSON bytes, text or a mapping, got {type(payload).__name__}")
+    if not isinstance(obj, dict):
+        raise RecordError(errors.INVALID_RECORD, f"a record must be a JSON object, got {_kind(obj)}")
+    return obj
+
+
+def _decode_slow(payload: bytes | bytearray | memoryview | str, exc: orjson.JSONDecodeError) -> Any:
+    """Python's json module as a fallback: it reads the NaN/Infinity that Python producers write."""
+    if isinstance(payload, str):
+        text = payload
+    else:
+        try:
+            text = bytes(payload).decode("utf-8")
+        except UnicodeDecodeError as utf8:
+            raise RecordError(errors.NOT_UTF8, f"not valid UTF-8 at byte {utf8.start}") from None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        pass
+    raise RecordError(errors.INVALID_JSON, f"{exc.msg} at line {exc.lineno} column {exc.colno}") from None
+
+
+_KINDS = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+
+
+def _kind(obj: Any) -> str:
+    return _KINDS.get(type(obj), "a number")
+
+
+def detect(obj: Mapping[str, Any]) -> str:
+    """The format of one decoded record: "mlflow", "inference_log" or "agent_eval"."""
+    if is_mlflow_trace(obj):
+        return "mlflow"
+    if is_inference_log_row(obj):
+        return "inference_log"
+    if is_agent_eval_record(obj):
+        return "agent_eval"
+    if "resourceSpans" in obj or "resource_spans" in obj:
+        raise RecordError(errors.UNKNOWN_FORMAT, "an OTLP export request holds spans, not one record: "
+                          "read it with --format otlp_json so spans are assembled into traces")
+    keys = ", ".join(sorted(str(k) for k in obj)[:8]) or "none"
+    raise RecordError(errors.UNKNOWN_FORMAT, "not an MLflow trace, inference-log row or agent-evaluation "
+                      f"record (keys: {keys})")
 
 
 def normalise(payload: bytes | str | Mapping[str, Any], fmt: str | None = None, *,
               app_tag: str | None = None) -> EvalRecord:
-    if isinstance(payload, (bytes, str)):
-        try:
-            payload = orjson.loads(payload)
-        except orjson.JSONDecodeError as exc:
-            raise RecordError(errors.INVALID_JSON, str(exc)) from exc
-    if not isinstance(payload, Mapping):
-        raise RecordError(errors.UNKNOWN_FORMAT, "a record must be a JSON object")
-    req = payload.get("request")
-    return EvalRecord(request_id=payload.get("request_id"), request=req if isinstance(req, str) else None,
-                      response=payload.get("response"), source_format="agent_eval")
+    """Decode one record and normalise it into an `EvalRecord`.
+
+    `fmt` is None/"auto" (detect per record), "agent_eval", "mlflow" or "inference_log".
+    `app_tag` names a tag/metadata key (or a top-level field) whose value is the record's app.
+    Every problem with the record raises `RecordError` naming the field; an unknown `fmt` is a
+    programming error (`ValueError`).
+    """
+    fmt = fmt or "auto"
+    if fmt not in FORMATS:
+        if fmt in SPAN_FORMATS:
+            raise RecordError(errors.UNKNOWN_FORMAT, f"{fmt} records are spans: they are assembled into "
+                              "traces by the stream, not normalised one at a time")
+        raise ValueError(f"unknown format {fmt!r}; expected one of {sorted(FORMATS | SPAN_FORMATS)}")
+    obj = decode(payload)
+    kind = detect(obj) if fmt == "auto" else fmt
+    try:
+        if kind == "mlflow":
+            return derive(parse_trace(obj, app_tag=app_tag))
+        if kind == "inference_log":
+            return normalise_row(obj, app_tag=app_tag)
+        return normalise_agent_eval(obj, app_tag=app_tag)
+    except RecordError:
+        raise
+    except _PARSER_BUGS as exc:
+        # A parser bug must not take the stream down: the record is dead-lettered with the cause.
+        raise RecordError(errors.INVALID_RECORD, f"could not normalise the record: "
+                          f"{type(exc).__name__}: {str(exc)[:160]}") from exc

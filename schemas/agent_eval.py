@@ -1,0 +1,85 @@
+"""Agent-evaluation records -> `EvalRecord`.
+
+The Databricks Agent Evaluation / `mlflow.evaluate` row: `request`, `response`,
+`retrieved_context`, `expected_response`, `expected_retrieved_context`, `expected_facts`,
+`guidelines`, `reference_trajectory` and optionally the MLflow `trace` of the request. MLflow 3's
+`mlflow.genai.evaluate` rows (`inputs`, `outputs`, `expectations`) are read the same way. What the
+record states wins over what is derived from its trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from tracejudge.schemas import errors
+from tracejudge.schemas.derive import (
+    apply_expectations,
+    derive,
+    documents_from_output,
+    merge,
+    request_text,
+    response_text,
+)
+from tracejudge.schemas.errors import RecordError
+from tracejudge.schemas.inputs import AgentEvalRecord, ValidationError, describe
+from tracejudge.schemas.mlflow import parse_trace
+from tracejudge.schemas.record import EvalRecord, ToolCall
+
+__all__ = ["is_agent_eval_record", "normalise_agent_eval"]
+
+_KEYS = ("request", "response", "trace", "inputs", "outputs", "expected_response", "retrieved_context")
+
+
+def is_agent_eval_record(obj: Mapping[str, Any]) -> bool:
+    return any(key in obj for key in _KEYS)
+
+
+def normalise_agent_eval(obj: Mapping[str, Any], *, app_tag: str | None = None) -> EvalRecord:
+    """One agent-evaluation record -> `EvalRecord`; raises `RecordError` naming the bad field."""
+    try:
+        row = AgentEvalRecord.model_validate(obj)
+    except ValidationError as exc:
+        path, detail = describe(exc)
+        raise RecordError(errors.INVALID_RECORD, detail, path or None) from None
+
+    tags = {k: v for k, v in (row.tags or {}).items() if isinstance(v, str)}
+    stated = EvalRecord(request_id=row.request_id, source_format="agent_eval", tags=tags)
+    if app_tag:
+        app = obj.get(app_tag)
+        stated.app = app if isinstance(app, str) and app else tags.get(app_tag)
+    if row.expectations:
+        apply_expectations(stated, row.expectations)
+
+    request = obj.get("request")
+    stated.request = request_text(request if request is not None else row.inputs)
+    response = obj.get("response")
+    stated.response = response_text(response if response is not None else row.outputs)
+    if row.retrieved_context is not None:
+        stated.retrieved_context = documents_from_output(obj["retrieved_context"])
+    if row.expected_retrieved_context is not None:
+        stated.expected_retrieved_context = documents_from_output(obj["expected_retrieved_context"])
+    if row.expected_response is not None:
+        stated.expected_response = row.expected_response
+    if row.expected_facts is not None:
+        stated.expected_facts = list(row.expected_facts)
+    if row.guidelines is not None:
+        guidelines = row.guidelines
+        stated.guidelines = (list(guidelines) if isinstance(guidelines, list)
+                             else [g for group in guidelines.values() for g in group])
+    if row.reference_trajectory is not None:
+        stated.reference_trajectory = [ToolCall(step.tool_name, step.tool_input or None)
+                                       for step in row.reference_trajectory]
+
+    trace_obj = row.trace
+    if trace_obj is None:
+        return stated
+    if isinstance(trace_obj, str):
+        try:
+            trace_obj = orjson.loads(trace_obj)
+        except orjson.JSONDecodeError as exc:
+            raise RecordError(errors.INVALID_JSON, str(exc), "trace") from None
+    trace = parse_trace(trace_obj, app_tag=app_tag, field="trace")
+    return merge(stated, derive(trace))

@@ -1,0 +1,460 @@
+"""Derive the canonical `EvalRecord` from a format-neutral `Trace`.
+
+Written once for every input format: MLflow JSON, OTLP spans and inference-log rows all become a
+`Trace` first, so a trace means the same thing whichever wire it arrived on. Only `Trace`/`Span`
+fields are read here, never a convention's attribute names (parsers map those onto the fields).
+
+The rules follow MLflow's `mlflow.genai.utils.trace_utils` so scores agree with MLflow's judges,
+except where MLflow's answer is not what a judge should see (a Python `repr` of the inputs, a JSON
+dump of the whole chat history, a blank " " for a missing value). Those differences are listed in
+the README ("Where tracejudge deliberately differs from MLflow") and each has its own test.
+
+A field that cannot be derived is None, never guessed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import fields, replace
+from typing import Any
+
+import orjson
+
+from tracejudge.schemas.record import EvalRecord, ToolCall
+from tracejudge.schemas.trace import Document, Span, SpanKind, SpanStatus, TokenUsage, Trace
+
+__all__ = [
+    "derive",
+    "documents_from_output",
+    "json_text",
+    "merge",
+    "request_text",
+    "response_text",
+    "sum_token_usage",
+    "top_level_retrievers",
+]
+
+# Keys under which an app's input dict carries the user's question, in order of preference.
+QUESTION_KEYS = ("query", "question", "input", "prompt", "request", "message", "user_input", "inputs")
+# Keys under which an output dict carries the answer.
+ANSWER_KEYS = ("content", "output", "answer", "response", "text", "result")
+# Document text keys, in MLflow's order (`_RETRIEVER_DOCUMENT_CONTENT_KEYS`).
+DOCUMENT_TEXT_KEYS = ("page_content", "content", "text")
+# Nested payloads are unwrapped at most this deep: inputs are untrusted and may nest arbitrarily.
+_MAX_DEPTH = 4
+# An HTTP status recorded on the root span (OTel semantic conventions, both generations).
+_HTTP_STATUS_KEYS = ("http.response.status_code", "http.status_code")
+
+
+def json_text(value: Any) -> str:
+    """Compact UTF-8 JSON text; objects orjson cannot write are written with `str()`."""
+    return orjson.dumps(value, default=str).decode()
+
+
+# --------------------------------------------------------------------------------------------
+# request / response text
+
+
+def _text_of_content(content: Any) -> str | None:
+    """The text of a chat message's `content`: a string, or the text parts of a multi-part list."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [p.get("text") for p in content
+                 if isinstance(p, Mapping) and p.get("type") in ("text", "input_text", "output_text")]
+        texts = [p for p in parts if isinstance(p, str)]
+        if texts:
+            return "\n".join(texts)
+    return None
+
+
+def _is_message_list(value: Any) -> bool:
+    return (isinstance(value, list) and len(value) > 0 and isinstance(value[-1], Mapping)
+            and "role" in value[-1])
+
+
+def _last_message_text(messages: list[Any], role: str) -> str | None:
+    for message in reversed(messages):
+        if isinstance(message, Mapping) and message.get("role") == role:
+            text = _text_of_content(message.get("content"))
+            if text is not None:
+                return text
+    return None
+
+
+def _question(value: Any, depth: int) -> str | None:
+    if isinstance(value, str):
+        return value
+    if depth > _MAX_DEPTH:
+        return None
+    if _is_message_list(value):
+        return _last_message_text(value, "user")
+    if not isinstance(value, Mapping):
+        return None
+    messages = value.get("messages")
+    if _is_message_list(messages):
+        text = _last_message_text(messages, "user")
+        if text is not None:
+            return text
+    for key in QUESTION_KEYS:
+        inner = value.get(key)
+        if inner is None:
+            continue
+        if isinstance(inner, str):
+            return inner
+        text = _question(inner, depth + 1)
+        if text is not None:
+            return text
+    # A serving request in `dataframe_records` form holds one row per request.
+    rows = value.get("dataframe_records")
+    if isinstance(rows, list) and len(rows) == 1:
+        return _question(rows[0], depth + 1)
+    # A traced function with one string parameter: whatever it is called, that string is the question.
+    if len(value) == 1:
+        (only,) = value.values()
+        if isinstance(only, str):
+            return only
+    return None
+
+
+def request_text(value: Any) -> str | None:
+    """The user's question in a request payload.
+
+    A plain string; the last user message of a chat (`messages`, or a Responses-API `input` list);
+    the `query`/`question`/`input`/`prompt`/… string field of a dict (unwrapping a nested request);
+    the only string field of a one-field dict; else the JSON text of the payload. None for None.
+    """
+    if value is None:
+        return None
+    text = _question(value, 0)
+    return text if text is not None else json_text(value)
+
+
+def _answer(value: Any, depth: int) -> str | None:
+    if isinstance(value, str):
+        return value
+    if depth > _MAX_DEPTH:
+        return None
+    if isinstance(value, list):
+        if _is_message_list(value):
+            return _responses_output_text(value) or _last_message_text(value, "assistant")
+        # A pyfunc model wraps its one prediction in a list.
+        return _answer(value[0], depth + 1) if len(value) == 1 else None
+    if not isinstance(value, Mapping):
+        return None
+    choices = value.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], Mapping):
+        first = choices[0]
+        message = first.get("message")
+        if isinstance(message, Mapping):
+            text = _text_of_content(message.get("content"))
+            if text is not None:
+                return text
+        if isinstance(first.get("text"), str):  # legacy completions
+            return first["text"]
+    messages = value.get("messages")
+    if _is_message_list(messages):
+        text = _last_message_text(messages, "assistant")
+        if text is None and isinstance(messages[-1].get("content"), str):
+            text = messages[-1]["content"]
+        if text is not None:
+            return text
+    output = value.get("output")
+    if isinstance(output, list):
+        text = _responses_output_text(output)
+        if text is not None:
+            return text
+    for key in ANSWER_KEYS:
+        inner = value.get(key)
+        if isinstance(inner, str):
+            return inner
+    predictions = value.get("predictions")
+    if isinstance(predictions, list) and len(predictions) == 1:
+        return _answer(predictions[0], depth + 1)
+    return None
+
+
+def _responses_output_text(output: list[Any]) -> str | None:
+    """The assistant text of an OpenAI Responses-API `output` list (`type == "message"` items)."""
+    for item in reversed(output):
+        if isinstance(item, Mapping) and item.get("type") == "message" and item.get("role") == "assistant":
+            text = _text_of_content(item.get("content"))
+            if text is not None:
+                return text
+    return None
+
+
+def response_text(value: Any) -> str | None:
+    """The answer in a response payload.
+
+    A plain string; `choices[0].message.content` of a chat completion; the last assistant message of
+    `messages`; the assistant text of a Responses-API `output`; the `content`/`output`/`answer`/…
+    string field of a dict; the one element of a one-element list; else the JSON text. None for None.
+    """
+    if value is None:
+        return None
+    text = _answer(value, 0)
+    return text if text is not None else json_text(value)
+
+
+# --------------------------------------------------------------------------------------------
+# retrieved context, trajectory, tokens
+
+
+def _document(chunk: Any) -> Document | None:
+    if isinstance(chunk, str):
+        return Document(content=chunk)
+    if not isinstance(chunk, Mapping):
+        return None
+    content: Any = None
+    for key in DOCUMENT_TEXT_KEYS:
+        if key in chunk:
+            content = chunk[key]
+            break
+    if content is not None and not isinstance(content, str):
+        content = json_text(content)
+    metadata = chunk.get("metadata")
+    doc_uri = metadata.get("doc_uri") if isinstance(metadata, Mapping) else None
+    if not doc_uri:
+        doc_uri = chunk.get("doc_uri")
+    if doc_uri is not None and not isinstance(doc_uri, str):
+        doc_uri = json_text(doc_uri)
+    return Document(content=content, doc_uri=doc_uri or None)
+
+
+def documents_from_output(output: Any) -> list[Document]:
+    """The documents a retriever returned: a list of `Document`-like dicts (or strings)."""
+    if isinstance(output, str):
+        try:
+            output = orjson.loads(output)
+        except orjson.JSONDecodeError:
+            return []
+    if not isinstance(output, list):
+        return []
+    docs = [_document(chunk) for chunk in output]
+    return [d for d in docs if d is not None]
+
+
+def top_level_retrievers(spans: list[Span]) -> list[Span]:
+    """RETRIEVER spans with no RETRIEVER ancestor (a retriever calling a retriever counts once)."""
+    by_id = {s.span_id: s for s in spans}
+    limit = len(spans)
+    result = []
+    for span in spans:
+        if span.kind != SpanKind.RETRIEVER:
+            continue
+        parent_id, hops, nested = span.parent_id, 0, False
+        # `hops` bounds the walk: a malformed trace may have a cycle of parent ids.
+        while parent_id and hops <= limit:
+            parent = by_id.get(parent_id)
+            if parent is None:
+                break
+            if parent.kind == SpanKind.RETRIEVER:
+                nested = True
+                break
+            parent_id, hops = parent.parent_id, hops + 1
+        if not nested:
+            result.append(span)
+    return result
+
+
+def _add(a: int | None, b: int | None) -> int | None:
+    if a is None:
+        return b
+    return a if b is None else a + b
+
+
+def sum_token_usage(spans: list[Span]) -> TokenUsage | None:
+    """Usage summed over the spans that state it, each model call counted once.
+
+    A depth-first walk from the roots that does not descend below a span with its own usage: a
+    wrapper span that rolls up its inner model call's usage is counted, the inner call is not
+    (MLflow's `aggregate_usage_from_spans` does the same).
+    """
+    ids = {s.span_id for s in spans}
+    children: dict[str, list[Span]] = {}
+    stack: list[Span] = []
+    for span in spans:
+        if span.parent_id and span.parent_id in ids and span.parent_id != span.span_id:
+            children.setdefault(span.parent_id, []).append(span)
+        else:
+            stack.append(span)
+    total: TokenUsage | None = None
+    seen: set[int] = set()
+    while stack:
+        span = stack.pop()
+        if id(span) in seen:  # duplicate span ids can make a node reachable twice
+            continue
+        seen.add(id(span))
+        usage = span.token_usage
+        if usage is not None:
+            if total is None:
+                total = TokenUsage(usage.input, usage.output, usage.total)
+            else:
+                total = TokenUsage(_add(total.input, usage.input), _add(total.output, usage.output),
+                                   _add(total.total, usage.total))
+            continue
+        stack.extend(children.get(span.span_id, ()))
+    return total.with_total() if total is not None else None
+
+
+# --------------------------------------------------------------------------------------------
+# expectations
+
+
+def _str_list(value: Any) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, Mapping):  # named guidelines: {"tone": ["…"], "scope": ["…"]}
+        value = [g for group in value.values() for g in (group if isinstance(group, list) else [group])]
+    if isinstance(value, list):
+        return [v if isinstance(v, str) else json_text(v) for v in value]
+    return [json_text(value)]
+
+
+def expected_documents(value: Any) -> list[Document] | None:
+    if value is None:
+        return None
+    return documents_from_output(value if isinstance(value, list) else [value])
+
+
+def _tool_calls(value: Any) -> list[ToolCall] | None:
+    if not isinstance(value, list):
+        return None
+    calls = []
+    for step in value:
+        if isinstance(step, Mapping) and isinstance(step.get("tool_name"), str):
+            calls.append(ToolCall(step["tool_name"], step.get("tool_input") or None))
+        elif isinstance(step, str):
+            calls.append(ToolCall(step))
+    return calls
+
+
+def apply_expectations(record: EvalRecord, expectations: Mapping[str, Any]) -> None:
+    """Fill the expected_* fields of `record` from an expectations mapping (MLflow's names)."""
+    if not expectations:
+        return
+    if "expected_response" in expectations:
+        value = expectations["expected_response"]
+        record.expected_response = value if isinstance(value, str) or value is None else response_text(value)
+    if "expected_facts" in expectations:
+        record.expected_facts = _str_list(expectations["expected_facts"])
+    if "guidelines" in expectations:
+        record.guidelines = _str_list(expectations["guidelines"])
+    if "expected_retrieved_context" in expectations:
+        record.expected_retrieved_context = expected_documents(expectations["expected_retrieved_context"])
+    if "reference_trajectory" in expectations:
+        record.reference_trajectory = _tool_calls(expectations["reference_trajectory"])
+
+
+# --------------------------------------------------------------------------------------------
+# the trace -> record derivation
+
+
+def root_span(spans: Iterable[Span]) -> Span | None:
+    """The first span without a parent (MLflow's `_get_root_span`)."""
+    for span in spans:
+        if span.parent_id is None:
+            return span
+    return None
+
+
+def _failure(trace: Trace, root: Span | None) -> tuple[bool | None, str | None]:
+    error: str | None = None
+    if root is not None:
+        if root.exception:
+            error = root.exception
+        elif root.status == SpanStatus.ERROR:
+            error = root.status_message or "root span status is ERROR"
+        else:
+            for key in _HTTP_STATUS_KEYS:
+                code = root.attributes.get(key)
+                if isinstance(code, int) and not isinstance(code, bool) and code >= 400:
+                    error = f"HTTP {code}"
+                    break
+    if error is None and trace.state == "ERROR":
+        error = "trace state is ERROR"
+    if error is not None:
+        return True, error
+    if trace.state is None and root is None:
+        return None, None
+    return False, None
+
+
+def derive(trace: Trace) -> EvalRecord:
+    """Everything the trace lets us derive about the request it recorded."""
+    spans = trace.spans
+    root = root_span(spans)
+
+    latency: float | None = None
+    if root is not None and root.end_ns is not None and root.end_ns >= root.start_ns:
+        latency = (root.end_ns - root.start_ns) / 1e9
+    elif trace.duration_ms is not None:
+        latency = trace.duration_ms / 1000.0
+
+    timestamp: float | None = None
+    if trace.request_time_ms is not None:
+        timestamp = trace.request_time_ms / 1000.0
+    elif root is not None and root.start_ns:
+        timestamp = root.start_ns / 1e9
+
+    retrievers = top_level_retrievers(spans)
+    retrieved: list[Document] | None = None
+    if retrievers:
+        retrieved = []
+        for span in sorted(retrievers, key=_start):
+            docs = span.documents if span.documents is not None else documents_from_output(span.outputs)
+            retrieved.extend(docs)
+
+    trajectory = [ToolCall(s.tool_name or s.name, s.inputs or None)
+                  for s in sorted((s for s in spans if s.kind == SpanKind.TOOL), key=_start)]
+
+    failed, error = _failure(trace, root)
+    tokens = trace.token_usage.with_total() if trace.token_usage is not None else sum_token_usage(spans)
+
+    record = EvalRecord(
+        request_id=trace.client_request_id or trace.trace_id,
+        trace_id=trace.trace_id,
+        app=trace.app,
+        source_format=trace.source_format,
+        request=request_text(root.inputs) if root is not None else None,
+        response=response_text(root.outputs) if root is not None else None,
+        retrieved_context=retrieved,
+        trajectory=trajectory,
+        latency_seconds=latency,
+        failed=failed,
+        error=error,
+        tokens=tokens,
+        timestamp=timestamp,
+        tags=dict(trace.tags),
+        complete=trace.complete,
+    )
+    apply_expectations(record, trace.expectations)
+    return record
+
+
+def _start(span: Span) -> int:
+    return span.start_ns
+
+
+_DEFAULTS_NOT_STATED = {"source_format": "unknown", "complete": True}
+
+
+def merge(stated: EvalRecord, derived: EvalRecord) -> EvalRecord:
+    """`stated` with its gaps filled from `derived`: a field the record states wins over one
+    derived from its trace. Tags are merged, the stated ones winning; `complete` is the AND."""
+    updates: dict[str, Any] = {}
+    for f in fields(EvalRecord):
+        name = f.name
+        if name == "tags":
+            updates["tags"] = {**derived.tags, **stated.tags}
+        elif name == "complete":
+            updates["complete"] = stated.complete and derived.complete
+        elif name == "source_format":
+            updates[name] = (stated.source_format if stated.source_format != "unknown"
+                             else derived.source_format)
+        elif getattr(stated, name) is None:
+            updates[name] = getattr(derived, name)
+    return replace(stated, **updates)

@@ -1,0 +1,346 @@
+"""MLflow trace JSON (`Trace.to_json()` / `to_dict()`, 3.x and 2.x) -> `Trace`.
+
+The happy path is a hand-written walk over the decoded JSON: only the attributes derivation needs
+are JSON-decoded (`mlflow.spanType`, `mlflow.spanInputs`, `mlflow.spanOutputs`,
+`mlflow.chat.tokenUsage`) and no model is validated per span. The rules it checks are those of the
+pydantic schemas in `tracejudge.schemas.inputs` (`MlflowTraceV3`, `MlflowTraceV2`), sharing their
+coercion functions; when the walk finds something wrong, the record is validated against the
+schema to name the field (`data.spans[2].start_time_unix_nano: expected an integer, got "abc"`).
+
+Version differences handled (see notes in the README):
+* 3.x: base64 ids; 3.5 wrote hex ids, a `tr-…` span trace id and "OK"/"ERROR" status codes;
+  3.0–3.4 (proto JSON) may write int64 times as strings and a root's parent as "".
+* 2.x: `request_id`/`timestamp_ms`/`execution_time_ms`/`status`/`request_metadata`; spans with
+  `context`, `parent_id`, `start_time`/`end_time`, `status_code`; hex ids.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from tracejudge.schemas import errors
+from tracejudge.schemas.errors import RecordError
+from tracejudge.schemas.inputs import (
+    MlflowTraceV2,
+    MlflowTraceV3,
+    ValidationError,
+    as_int,
+    describe,
+    hex_id,
+    time_ms,
+)
+from tracejudge.schemas.trace import Span, SpanKind, SpanStatus, TokenUsage, Trace
+
+__all__ = ["APP_PREFIX", "is_mlflow_trace", "parse_trace"]
+
+# The app of an MLflow trace with no `app_tag` match: its experiment, as "experiment:<id>" so it
+# cannot be mistaken for an endpoint or service name from another source.
+APP_PREFIX = "experiment:"
+
+SPAN_TYPE = "mlflow.spanType"
+SPAN_INPUTS = "mlflow.spanInputs"
+SPAN_OUTPUTS = "mlflow.spanOutputs"
+CHAT_USAGE = "mlflow.chat.tokenUsage"
+TRACE_USAGE = "mlflow.trace.tokenUsage"
+# Trace metadata worth keeping as record tags (usable in sampling filters).
+_METADATA_TAGS = ("mlflow.trace.session", "mlflow.trace.user", "mlflow.modelId",
+                  "mlflow.databricks.modelServingEndpointName", "mlflow.sourceRun")
+
+_KINDS = {k.value: k for k in SpanKind}
+_STATUS = {
+    "STATUS_CODE_OK": SpanStatus.OK, "OK": SpanStatus.OK,
+    "STATUS_CODE_ERROR": SpanStatus.ERROR, "ERROR": SpanStatus.ERROR,
+    "STATUS_CODE_UNSET": SpanStatus.UNSET, "UNSET": SpanStatus.UNSET,
+}
+# v2 `status` -> v3 `state` (`TraceStatus.to_state()`); unspecified states are not stated.
+_STATES = {"OK": "OK", "ERROR": "ERROR", "IN_PROGRESS": "IN_PROGRESS"}
+
+
+class _Malformed(Exception):
+    """Raised inside the fast path; the caller asks the schema where the record is wrong."""
+
+
+def is_mlflow_trace(obj: Mapping[str, Any]) -> bool:
+    return isinstance(obj.get("info"), Mapping) or ("info" in obj and "data" in obj)
+
+
+def _attr(raw: Any) -> Any:
+    """One MLflow span attribute: values are JSON-encoded strings; a value set directly on the
+    OTel span is plain text and is kept as it is (as MLflow does)."""
+    if type(raw) is not str:
+        return raw
+    if not raw:
+        return None
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        try:  # Python's json.dumps writes NaN/Infinity, which orjson rejects
+            return json.loads(raw)
+        except (ValueError, RecursionError):
+            return raw
+
+
+def _usage(value: Any) -> TokenUsage | None:
+    """`{"input_tokens", "output_tokens", "total_tokens"}`; a malformed usage is treated as unstated."""
+    if not isinstance(value, Mapping):
+        return None
+    parts = []
+    for key in ("input_tokens", "output_tokens", "total_tokens"):
+        v = value.get(key)
+        parts.append(v if type(v) is int else None)
+    if parts == [None, None, None]:
+        return None
+    return TokenUsage(*parts)
+
+
+def _exception(events: Any) -> str | None:
+    """"ValueError: tool exploded" from the first `exception` event (MLflow's own rendering)."""
+    for event in events:
+        if event["name"] == "exception":
+            attrs = event.get("attributes") or {}
+            kind = attrs.get("exception.type", "Exception")
+            message = attrs.get("exception.message")
+            return f"{kind}: {message}" if message else str(kind)
+    return None
+
+
+def _extra_attributes(attrs: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _attr(v) for k, v in attrs.items() if not k.startswith("mlflow.")}
+
+
+def _span(raw: Mapping[str, Any], v2: bool, ids: dict[str, str]) -> Span:
+    if v2:
+        sid_raw = raw["context"]["span_id"]
+        pid_raw = raw.get("parent_id")
+        start, end = raw["start_time"], raw.get("end_time")
+        code, message = raw.get("status_code"), raw.get("status_message")
+    else:
+        sid_raw = raw["span_id"]
+        pid_raw = raw.get("parent_span_id")
+        start, end = raw["start_time_unix_nano"], raw.get("end_time_unix_nano")
+        status = raw.get("status")
+        if status is None:
+            code = message = None
+        elif isinstance(status, dict):
+            code, message = status.get("code"), status.get("message")
+        else:
+            raise _Malformed
+    name = raw["name"]
+    if type(name) is not str:
+        raise _Malformed
+    span_id = ids.get(sid_raw) if type(sid_raw) is str else None
+    if span_id is None:
+        span_id = ids[sid_raw] = hex_id(sid_raw, 8)
+    if pid_raw is None or pid_raw == "":
+        parent_id = None
+    else:
+        parent_id = ids.get(pid_raw) if type(pid_raw) is str else None
+        if parent_id is None:
+            parent_id = ids[pid_raw] = hex_id(pid_raw, 8)
+    start_ns = start if type(start) is int else as_int(start)
+    end_ns = None if end is None else end if type(end) is int else as_int(end)
+    if (code is not None and type(code) is not str) or (message is not None and type(message) is not str):
+        raise _Malformed
+
+    attrs = raw.get("attributes")
+    if attrs is None:
+        attrs = {}
+    elif not isinstance(attrs, dict):
+        raise _Malformed
+    events = raw.get("events")
+    if events is None:
+        events = ()
+    elif not isinstance(events, list):
+        raise _Malformed
+    for event in events:
+        if not isinstance(event, dict) or type(event["name"]) is not str:
+            raise _Malformed
+        event_attrs = event.get("attributes")
+        if event_attrs is not None and not isinstance(event_attrs, dict):
+            raise _Malformed
+        when = event.get("timestamp" if v2 else "time_unix_nano")
+        if when is not None and type(when) is not int:
+            as_int(when)
+
+    kind_raw = _attr(attrs.get(SPAN_TYPE))
+    kind = _KINDS.get(kind_raw, SpanKind.UNKNOWN) if type(kind_raw) is str else SpanKind.UNKNOWN
+    inputs = _attr(attrs.get(SPAN_INPUTS))
+    span = Span(
+        span_id=span_id,
+        parent_id=parent_id,
+        name=name,
+        start_ns=start_ns,
+        # MLflow reads an end time of 0 as "not ended".
+        end_ns=end_ns or None,
+        kind=kind,
+        status=_STATUS.get(code, SpanStatus.UNSET) if code else SpanStatus.UNSET,
+        status_message=message or "",
+        inputs=inputs,
+        outputs=_attr(attrs.get(SPAN_OUTPUTS)),
+        token_usage=_usage(_attr(attrs.get(CHAT_USAGE))),
+        exception=_exception(events) if events else None,
+        attributes=_extra_attributes(attrs),
+    )
+    if kind == SpanKind.TOOL and isinstance(inputs, dict):
+        # A tool span recorded by a tool-calling framework names the tool in its inputs.
+        call = inputs.get("call")
+        if isinstance(call, dict) and isinstance(call.get("tool_name"), str):
+            span.tool_name = call["tool_name"]
+    return span
+
+
+def _str_map(value: dict[str, Any] | None) -> dict[str, str]:
+    if not value:
+        return {}
+    return {k: v for k, v in value.items() if type(v) is str}
+
+
+def _duration_ms(info: Mapping[str, Any], v2: bool) -> float | None:
+    value = info.get("execution_time_ms" if v2 else "execution_duration_ms")
+    if value is not None:
+        return float(as_int(value))
+    if v2:
+        return None
+    wire = info.get("execution_duration")
+    if wire is None:
+        return None
+    if type(wire) is not str:
+        raise _Malformed
+    if wire.endswith("s"):  # the REST wire form, a proto Duration: "0.026s"
+        try:
+            return float(wire[:-1]) * 1000.0
+        except ValueError:
+            return None
+    return None
+
+
+def _optional(info: Mapping[str, Any], key: str, kind: type) -> Any:
+    value = info.get(key)
+    if value is not None and not isinstance(value, kind):
+        raise _Malformed
+    return value
+
+
+def _expectations(assessments: Any) -> dict[str, Any]:
+    """{name: value} over valid expectation assessments (`extract_expectations_from_trace`)."""
+    out: dict[str, Any] = {}
+    if not isinstance(assessments, list):
+        return out
+    for a in assessments:
+        if not isinstance(a, dict) or a.get("valid") is False:
+            continue
+        expectation = a.get("expectation")
+        name = a.get("assessment_name") or a.get("name")
+        if not isinstance(expectation, dict) or not isinstance(name, str):
+            continue
+        if "value" in expectation:
+            out[name] = expectation["value"]
+        else:
+            serialized = expectation.get("serialized_value")
+            if isinstance(serialized, dict) and isinstance(serialized.get("value"), str):
+                out[name] = _attr(serialized["value"])
+    return out
+
+
+def _trace_id(value: str) -> str:
+    """"tr-<hex>" (v3), "trace:/<location>/<hex>" (v4) or a v2 request id -> lowercase hex."""
+    if value.startswith("tr-"):
+        value = value[3:]
+    elif value.startswith("trace:/"):
+        value = value.rsplit("/", 1)[-1]
+    return value.lower()
+
+
+def _app(info: Mapping[str, Any], tags: dict[str, str], metadata: dict[str, str],
+         app_tag: str | None, v2: bool) -> str | None:
+    if app_tag:
+        value = tags.get(app_tag) or metadata.get(app_tag)
+        if value:
+            return value
+    if v2:
+        experiment = _optional(info, "experiment_id", str)
+    else:
+        experiment = None
+        location = _optional(info, "trace_location", dict)
+        if location is not None:
+            _optional(location, "type", str)
+            mlflow_experiment = _optional(location, "mlflow_experiment", dict)
+            if mlflow_experiment is not None:
+                experiment = _optional(mlflow_experiment, "experiment_id", str)
+    return f"{APP_PREFIX}{experiment}" if experiment else None
+
+
+def _parse(obj: Mapping[str, Any], app_tag: str | None) -> Trace:
+    info = obj["info"]
+    if not isinstance(info, dict):
+        raise _Malformed
+    v2 = "request_id" in info and "trace_id" not in info
+    raw_id = info["request_id"] if v2 else info["trace_id"]
+    spans_raw = obj["data"]["spans"]
+    if type(raw_id) is not str or not isinstance(spans_raw, list):
+        raise _Malformed
+    ids: dict[str, str] = {}
+    spans = [_span(s, v2, ids) for s in spans_raw]
+
+    metadata = _str_map(_optional(info, "request_metadata" if v2 else "trace_metadata", dict))
+    tags = _str_map(_optional(info, "tags", dict))
+    for key in _METADATA_TAGS:
+        if key in metadata:
+            tags.setdefault(key, metadata[key])
+    state = _optional(info, "status" if v2 else "state", str)
+    assessments = _optional(info, "assessments", list)
+    request_time = info.get("timestamp_ms" if v2 else "request_time")
+    if v2 and request_time is not None:
+        request_time = as_int(request_time)
+    return Trace(
+        trace_id=_trace_id(raw_id),
+        spans=spans,
+        source_format="mlflow_v2" if v2 else "mlflow_v3",
+        app=_app(info, tags, metadata, app_tag, v2),
+        client_request_id=None if v2 else _optional(info, "client_request_id", str),
+        state=_STATES.get(state) if state else None,
+        request_time_ms=None if request_time is None else time_ms(request_time),
+        duration_ms=_duration_ms(info, v2),
+        token_usage=_usage(_attr(metadata.get(TRACE_USAGE))),
+        tags=tags,
+        metadata=metadata,
+        expectations=_expectations(assessments),
+    )
+
+
+def parse_trace(obj: Mapping[str, Any], *, app_tag: str | None = None, field: str = "") -> Trace:
+    """Parse one MLflow trace dict; raises `RecordError` naming the field that is wrong.
+
+    `field` prefixes error paths when the trace is embedded in another record ("trace",
+    "response.databricks_output.trace").
+    """
+    try:
+        return _parse(obj, app_tag)
+    except (_Malformed, KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError,
+            RecursionError) as exc:
+        raise explain(obj, field, exc) from None
+
+
+def explain(obj: Any, field: str, cause: BaseException | None = None) -> RecordError:
+    """A `RecordError` naming the first field of `obj` that breaks the MLflow trace schema."""
+    prefix = f"{field}." if field else ""
+    if not isinstance(obj, Mapping):
+        return RecordError(errors.INVALID_RECORD, f"expected an MLflow trace object, got "
+                           f"{type(obj).__name__}", field or None)
+    info = obj.get("info")
+    v2 = isinstance(info, Mapping) and "request_id" in info and "trace_id" not in info
+    schema = MlflowTraceV2 if v2 else MlflowTraceV3
+    try:
+        schema.model_validate(obj)
+    except ValidationError as exc:
+        path, detail = describe(exc)
+        return RecordError(errors.INVALID_RECORD, detail, f"{prefix}{path}" if path else field or None)
+    except RecursionError:
+        return RecordError(errors.INVALID_RECORD, "trace is nested too deeply", field or None)
+    # The schema accepts what the walk rejected: a semantic problem such as an unparsable time.
+    detail = str(cause) if cause is not None and str(cause) else "malformed MLflow trace"
+    return RecordError(errors.INVALID_RECORD, detail[:200], field or None)
