@@ -137,3 +137,28 @@ def test_one_agent_at_a_time_and_shares_are_validated():
         AgentSettings(ungrounded_share=1.5)
     with pytest.raises(ValueError, match="apps"):
         AgentSettings(apps=("nope",))
+
+
+def test_tracejudge_normalises_the_agents_traces_into_what_the_agent_did():
+    from tracejudge.schemas.detect import normalise
+
+    made = produce(80, seed=9, failure_share=0.2)
+    for item in made:
+        record = normalise(item.payload, app_tag=APP_TAG)
+        assert record.source_format == "mlflow_v3"
+        assert record.app == item.app
+        # The README promises `tr-…`; either way the OTel trace id must survive.
+        assert record.trace_id.endswith(item.trace_id.removeprefix("tr-"))
+        assert record.request and record.request.endswith("?")
+        assert record.failed is item.failed
+        assert record.latency_seconds is not None and record.latency_seconds > 0
+        assert [c.tool_name for c in record.trajectory or []] == list(item.tools) or item.failed
+        if item.failed:
+            assert record.response is None and record.error
+        else:
+            assert record.response and record.error is None
+            assert len(record.retrieved_context) == 3
+            assert all(d.content and d.doc_uri for d in record.retrieved_context)
+            assert record.tokens.total == record.tokens.input + record.tokens.output > 0
+    # Without the tag setting the app is the MLflow experiment, one per app.
+    assert {normalise(m.payload).app for m in made} == {"experiment:1", "experiment:2"}
