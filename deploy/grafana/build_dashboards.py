@@ -1,0 +1,312 @@
+"""Generate the tracejudge Grafana dashboards (classic dashboard JSON) into deploy/grafana/dashboards/.
+
+Plain dictionaries instead of a generator library: the JSON model is small, the output is checked in and
+a test regenerates it and fails on drift, so review happens on the JSON diff. Conventions every panel
+follows (a test holds them): fixed dashboard uids, the Prometheus datasource is the `${datasource}`
+variable (so one file works in every Grafana, provisioned or imported), every panel that is not a row
+has at least one PromQL target, and histogram panels ask for exemplars, which carry the trace id.
+
+    python deploy/grafana/build_dashboards.py          # rewrite the JSON files
+    python deploy/grafana/build_dashboards.py --check  # exit 1 if a checked-in file is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+OUT = Path(__file__).resolve().parent / "dashboards"
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+SCHEMA_VERSION = 39
+RATE = "$__rate_interval"
+
+Json = dict[str, Any]
+
+
+# --- building blocks ----------------------------------------------------------------------------------
+
+def datasource_variable() -> Json:
+    return {
+        "name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
+        "current": {}, "hide": 0, "refresh": 1, "regex": "", "includeAll": False, "multi": False,
+        "options": [], "skipUrlSync": False,
+    }
+
+
+def label_variable(name: str, label: str, metric_selector: str) -> Json:
+    """A multi-value variable over one label; "All" means `.*`, so panels match it with `=~`."""
+    definition = f"label_values({metric_selector}, {label})"
+    return {
+        "name": name, "label": label, "type": "query", "datasource": DATASOURCE,
+        "definition": definition,
+        "query": {"qryType": 1, "query": definition, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+        "refresh": 2, "sort": 1, "regex": "", "hide": 0, "multi": True, "includeAll": True,
+        "allValue": ".*", "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "options": [], "skipUrlSync": False,
+    }
+
+
+def target(expr: str, legend: str, *, exemplar: bool = False, fmt: str = "time_series") -> Json:
+    return {"datasource": DATASOURCE, "expr": expr, "legendFormat": legend, "range": True,
+            "instant": False, "exemplar": exemplar, "format": fmt, "editorMode": "code"}
+
+
+def timeseries(title: str, description: str, targets: Sequence[Json], *, unit: str = "short",
+               ratio: bool = False, stack: bool = False, width: int = 12) -> Json:
+    defaults: Json = {"unit": "percentunit" if ratio else unit,
+                      "custom": {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 20 if stack else 0,
+                                 "showPoints": "never", "spanNulls": False,
+                                 "stacking": {"mode": "normal" if stack else "none", "group": "A"}}}
+    if ratio:
+        defaults.update(min=0, max=1)
+    return {"type": "timeseries", "title": title, "description": description, "datasource": DATASOURCE,
+            "targets": list(targets), "fieldConfig": {"defaults": defaults, "overrides": []},
+            "options": {"legend": {"displayMode": "table", "placement": "bottom", "showLegend": True,
+                                   "calcs": ["lastNotNull", "mean"]},
+                        "tooltip": {"mode": "multi", "sort": "desc"}},
+            "_width": width}
+
+
+def heatmap(title: str, description: str, expr: str, *, width: int = 12) -> Json:
+    return {"type": "heatmap", "title": title, "description": description, "datasource": DATASOURCE,
+            "targets": [target(expr, "{{le}}", fmt="heatmap")],
+            "fieldConfig": {"defaults": {}, "overrides": []},
+            "options": {"calculate": False, "cellGap": 1, "color": {"mode": "scheme", "scheme": "Oranges"},
+                        "yAxis": {"axisPlacement": "left", "unit": "short"},
+                        "tooltip": {"mode": "single", "yHistogram": True},
+                        "exemplars": {"color": "rgba(255,0,255,0.7)"}},
+            "_width": width}
+
+
+def row(title: str) -> Json:
+    return {"type": "row", "title": title, "collapsed": False, "panels": []}
+
+
+def layout(panels: Sequence[Json]) -> list[Json]:
+    """Give panels ids and a grid position: rows span the width, panels flow left to right."""
+    out, x, y, line_height = [], 0, 0, 0
+    for number, spec in enumerate(panels, start=1):
+        panel = {k: v for k, v in spec.items() if k != "_width"}
+        is_row = panel["type"] == "row"
+        width, height = (24, 1) if is_row else (spec["_width"], 8)
+        if is_row or x + width > 24:
+            x, y, line_height = 0, y + line_height, 0
+        panel["id"] = number
+        panel["gridPos"] = {"h": height, "w": width, "x": x, "y": y}
+        for ref, t in enumerate(panel.get("targets", [])):
+            t["refId"] = chr(ord("A") + ref)
+        x, line_height = x + width, max(line_height, height)
+        out.append(panel)
+    return out
+
+
+def dashboard(uid: str, title: str, description: str, variables: Sequence[Json],
+              panels: Sequence[Json]) -> Json:
+    return {
+        "uid": uid, "title": title, "description": description, "id": None, "version": 1,
+        "schemaVersion": SCHEMA_VERSION, "editable": True, "graphTooltip": 1, "tags": ["tracejudge"],
+        "timezone": "browser", "refresh": "30s", "time": {"from": "now-6h", "to": "now"},
+        "timepicker": {}, "fiscalYearStartMonth": 0, "liveNow": False,
+        "links": [{"type": "dashboards", "tags": ["tracejudge"], "asDropdown": False, "includeVars": True,
+                   "keepTime": True, "title": "tracejudge", "icon": "external link", "targetBlank": False}],
+        "annotations": {"list": [{
+            "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True,
+            "hide": True, "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts",
+            "type": "dashboard"}]},
+        "templating": {"list": [datasource_variable(), *variables]},
+        "panels": layout(panels),
+    }
+
+
+# --- PromQL helpers (one spelling for each kind of query) ---------------------------------------------
+
+def sum_rate(metric: str, by: str, sel: str = "") -> str:
+    """Per-second rate of a counter, summed by some labels."""
+    grouping = f" by ({by}) " if by else ""
+    selector = f"{metric}{{{sel}}}" if sel else metric
+    return f"sum{grouping}(rate({selector}[{RATE}]))"
+
+
+def histogram_mean(histogram: str, by: str, sel: str = "") -> str:
+    return f"{sum_rate(histogram + '_sum', by, sel)} / {sum_rate(histogram + '_count', by, sel)}"
+
+
+def quantile(q: float, histogram: str, by: str, sel: str = "") -> str:
+    return f"histogram_quantile({q}, {sum_rate(histogram + '_bucket', by + ', le', sel)})"
+
+
+# --- the dashboards -----------------------------------------------------------------------------------
+
+def quality() -> Json:
+    sel = 'app=~"$app", judge=~"$judge"'
+    judge_only = 'judge=~"$judge"'
+    pair = "{{app}} · {{judge}}"
+    return dashboard(
+        "tracejudge-quality", "tracejudge / Quality",
+        "LLM-as-judge verdicts and computed metrics per app: pass rates, scores, coverage, judge health.",
+        [label_variable("app", "app", "tracejudge_judge_verdicts_total"),
+         label_variable("judge", "judge", 'tracejudge_judge_verdicts_total{app=~"$app"}')],
+        [
+            row("Pass rate"),
+            timeseries("Pass rate per judge and app (5m)",
+                       "Share of judge verdicts that passed (app_judge:tracejudge_judge_pass:ratio5m).",
+                       [target(f"app_judge:tracejudge_judge_pass:ratio5m{{{sel}}}", pair)], ratio=True),
+            timeseries("Pass rate per judge and app (1h) vs yesterday",
+                       "The window GroundednessDropped watches (floor 80%, vs the same hour yesterday).",
+                       [target(f"app_judge:tracejudge_judge_pass:ratio1h{{{sel}}}", pair),
+                        target(f"app_judge:tracejudge_judge_pass:ratio1h{{{sel}}} offset 1d",
+                               pair + " yesterday")],
+                       ratio=True),
+            timeseries("Verdicts per second",
+                       "Judge verdicts by outcome: a pass rate over few verdicts is noise.",
+                       [target(sum_rate("tracejudge_judge_verdicts_total", "app, judge, verdict", sel),
+                               pair + " · {{verdict}}")],
+                       unit="reqps", stack=True, width=24),
+            row("Scores"),
+            heatmap("Judge score distribution",
+                    "Judge scores in [0, 1] over time (the buckets of tracejudge_judge_score).",
+                    f"sum by (le) (increase(tracejudge_judge_score_bucket{{{sel}}}[{RATE}]))"),
+            timeseries("Judge score p10 / p50 (exemplars link to the trace)",
+                       "Low tail and median score per judge; exemplar dots carry a judged trace's trace_id.",
+                       [target(quantile(0.1, "tracejudge_judge_score", "judge", sel), "p10 {{judge}}",
+                               exemplar=True),
+                        target(quantile(0.5, "tracejudge_judge_score", "judge", sel), "p50 {{judge}}",
+                               exemplar=True)],
+                       unit="none"),
+            timeseries("Computed metrics (mean)",
+                       "Mean of each computed metric in [0, 1]: document recall, trajectory precision, ...",
+                       [target(histogram_mean("tracejudge_metric_value", "app, metric", 'app=~"$app"'),
+                               "{{app}} · {{metric}}")],
+                       ratio=True, width=24),
+            row("Coverage and judge health"),
+            timeseries("Judge coverage (sampled / eligible)",
+                       "Share of eligible traces that were sampled for each judge.",
+                       [target(f'{sum_rate("tracejudge_judge_sampled_total", "app, judge", sel)}'
+                               f' / {sum_rate("tracejudge_judge_eligible_total", "app, judge", sel)}', pair)],
+                       ratio=True),
+            timeseries("Judge skips by reason",
+                       "Sampled traces a judge did not evaluate (missing inputs, budget, queue full, ...).",
+                       [target(sum_rate("tracejudge_judge_skipped_total", "app, judge, reason", sel),
+                               pair + " · {{reason}}")],
+                       unit="reqps"),
+            timeseries("Judge errors by reason",
+                       "Judge calls that ended without a verdict (timeouts, HTTP errors, unparsable replies)",
+                       [target(sum_rate("tracejudge_judge_errors_total", "judge, reason", judge_only),
+                               "{{judge}} · {{reason}}")],
+                       unit="reqps"),
+            timeseries("Judge error ratio (15m)",
+                       "JudgeErrorsHigh fires above 10% with at least 20 calls in 15 minutes.",
+                       [target(f"judge:tracejudge_judge_errors:ratio15m{{{judge_only}}}", "{{judge}}")],
+                       ratio=True),
+        ])
+
+
+def operations() -> Json:
+    app, topic, judge = 'app=~"$app"', 'topic=~"$topic"', 'judge=~"$judge"'
+    traces = "tracejudge_traces_total"
+    failed = sum_rate(traces, "app", app + ', status="error"')
+    return dashboard(
+        "tracejudge-operations", "tracejudge / Operations",
+        "Traffic, latency, tokens and failures of the evaluated agents; judge cost; Kafka consumption.",
+        [label_variable("app", "app", traces),
+         label_variable("topic", "topic", "tracejudge_records_total"),
+         label_variable("judge", "judge", "tracejudge_judge_duration_seconds_count")],
+        [
+            row("Agent traffic"),
+            timeseries("Traces per second", "Evaluated traces by app and status.",
+                       [target(sum_rate(traces, "app, status", app), "{{app}} · {{status}}")],
+                       unit="reqps", stack=True),
+            timeseries("Trace failure rate",
+                       "Share of traces whose status is error; `or ... * 0` reads 0% while none failed.",
+                       [target(f"({failed} or {sum_rate(traces, 'app', app)} * 0)"
+                               f" / {sum_rate(traces, 'app', app)}", "{{app}}")],
+                       ratio=True),
+            timeseries("Trace latency p50 / p95 / p99 (exemplars link to the trace)",
+                       "End-to-end latency of the agent's traces; exemplar dots carry the trace_id.",
+                       [target(quantile(q, "tracejudge_trace_latency_seconds", "app", app),
+                               f"p{round(q * 100)} {{{{app}}}}", exemplar=True) for q in (0.5, 0.95, 0.99)],
+                       unit="s"),
+            timeseries("Tokens per second", "Tokens the agents used, by direction.",
+                       [target(sum_rate("tracejudge_tokens_total", "app, direction", app),
+                               "{{app}} · {{direction}}")],
+                       unit="short", stack=True),
+            timeseries("Retrieved documents per trace (mean)",
+                       "Documents retrieved per trace (the tracejudge_retrieved_documents histogram).",
+                       [target(histogram_mean("tracejudge_retrieved_documents", "app", app), "{{app}}")],
+                       unit="short", width=24),
+            row("Judges"),
+            timeseries("Judge latency p50 / p95", "Duration of one judge call.",
+                       [target(quantile(q, "tracejudge_judge_duration_seconds", "judge", judge),
+                               f"p{round(q * 100)} {{{{judge}}}}") for q in (0.5, 0.95)],
+                       unit="s"),
+            timeseries("Judge tokens per second",
+                       "Tokens the judges spent, by direction: the cost of evaluation.",
+                       [target(sum_rate("tracejudge_judge_tokens_total", "judge, direction", judge),
+                               "{{judge}} · {{direction}}")],
+                       unit="short", stack=True),
+            row("Kafka"),
+            timeseries("Records per second by outcome",
+                       "Records read per topic: evaluated (ok) or dead-lettered.",
+                       [target(sum_rate("tracejudge_records_total", "topic, outcome", topic),
+                               "{{topic}} · {{outcome}}")],
+                       unit="reqps", stack=True),
+            timeseries("Consumer lag (records)",
+                       "Records between the consumer's position and the partition's end (alert: > 10000).",
+                       [target(f"sum by (topic, partition) (tracejudge_consumer_lag_records{{{topic}}})",
+                               "{{topic}} [{{partition}}]")],
+                       unit="short"),
+            timeseries("Dead letters by reason", "Records written to the dead-letter topic, by reason.",
+                       [target(sum_rate("tracejudge_dead_letters_total", "reason"), "{{reason}}")],
+                       unit="reqps"),
+            timeseries("Dead-letter ratio (15m)",
+                       "DeadLettersRising fires above 1% with at least 20 records in 15 minutes.",
+                       [target(f"topic:tracejudge_records_dead_lettered:ratio15m{{{topic}}}", "{{topic}}")],
+                       ratio=True),
+            timeseries("Offset commits per second",
+                       "Offsets are committed only after a record's results are exported: flat means stuck.",
+                       [target(sum_rate("tracejudge_commits_total", ""), "commits")],
+                       unit="reqps", width=24),
+            row("OpenTelemetry trace assembly"),
+            timeseries("Traces being assembled",
+                       "Open traces and held spans, waiting for a trace's root span or its idle timeout.",
+                       [target("sum(tracejudge_assembly_open_traces)", "open traces"),
+                        target("sum(tracejudge_assembly_spans_held)", "spans held")],
+                       unit="short"),
+            timeseries("Assembled traces emitted by reason",
+                       "Why a trace was taken as complete (root seen, idle timeout, evicted at a limit).",
+                       [target(sum_rate("tracejudge_assembly_traces_emitted_total", "reason"), "{{reason}}")],
+                       unit="reqps"),
+        ])
+
+
+DASHBOARDS = {"tracejudge-quality.json": quality, "tracejudge-operations.json": operations}
+
+
+def render(build: Any) -> str:
+    return json.dumps(build(), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only compare; exit 1 if a file is stale")
+    args = parser.parse_args(argv)
+    stale = []
+    for name, build in DASHBOARDS.items():
+        path, text = OUT / name, render(build)
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(path)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    for path in stale:
+        print(f"{path} is stale: run python deploy/grafana/build_dashboards.py", file=sys.stderr)
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
