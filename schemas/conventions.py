@@ -122,8 +122,8 @@ def _read_convention(span: Span, attrs: dict[str, Any], events: Sequence[tuple[s
     kind = _kind(attrs)
     span.kind = kind
     if mlflow:
-        span.inputs = _mlflow_value(attrs.get("mlflow.spanInputs"))
-        span.outputs = _mlflow_value(attrs.get("mlflow.spanOutputs"))
+        span.inputs = _strict_json(attrs.get("mlflow.spanInputs"))
+        span.outputs = _strict_json(attrs.get("mlflow.spanOutputs"))
     else:
         span.inputs = _inputs(attrs, kind)
         span.outputs = _outputs(attrs, kind)
@@ -140,7 +140,7 @@ def _read_convention(span: Span, attrs: dict[str, Any], events: Sequence[tuple[s
 def _kind(attrs: Mapping[str, Any]) -> SpanKind:
     value = attrs.get("mlflow.spanType")
     if value is not None:
-        return _MLFLOW_KINDS.get(str(_mlflow_value(value)).upper(), SpanKind.UNKNOWN)
+        return _MLFLOW_KINDS.get(str(_strict_json(value)).upper(), SpanKind.UNKNOWN)
     value = attrs.get("openinference.span.kind")
     if value is not None:
         return _OPENINFERENCE_KINDS.get(str(value).upper(), SpanKind.UNKNOWN)
@@ -162,11 +162,13 @@ def _kind(attrs: Mapping[str, Any]) -> SpanKind:
 
 def _inputs(attrs: dict[str, Any], kind: SpanKind) -> Any:
     if kind is SpanKind.TOOL:
-        for key in ("gen_ai.tool.call.arguments", "input.value"):
-            if key in attrs:
-                return _json_value(attrs[key])
+        if "gen_ai.tool.call.arguments" in attrs:
+            # "SHOULD do the best effort to deserialize it to an object" (GenAI spec).
+            return _strict_json(attrs["gen_ai.tool.call.arguments"])
+        if "input.value" in attrs:
+            return _openinference_value(attrs, "input")
         if "traceloop.entity.input" in attrs:
-            return _unwrap_call(_json_value(attrs["traceloop.entity.input"]))
+            return _unwrap_call(_strict_json(attrs["traceloop.entity.input"]))
         # OpenInference's tool.parameters is the call's arguments in some instrumentations and the
         # tool's schema in others; it is read only when nothing states the actual call.
         return _json_value(attrs["tool.parameters"]) if "tool.parameters" in attrs else None
@@ -174,9 +176,9 @@ def _inputs(attrs: dict[str, Any], kind: SpanKind) -> Any:
     if messages is not None:
         return {"messages": messages}
     if "input.value" in attrs:
-        return _json_value(attrs["input.value"])
+        return _openinference_value(attrs, "input")
     if "traceloop.entity.input" in attrs:
-        return _unwrap_call(_json_value(attrs["traceloop.entity.input"]))
+        return _unwrap_call(_strict_json(attrs["traceloop.entity.input"]))
     if "gen_ai.retrieval.query.text" in attrs:
         return attrs["gen_ai.retrieval.query.text"]
     return None
@@ -184,15 +186,27 @@ def _inputs(attrs: dict[str, Any], kind: SpanKind) -> Any:
 
 def _outputs(attrs: dict[str, Any], kind: SpanKind) -> Any:
     if kind is SpanKind.TOOL and "gen_ai.tool.call.result" in attrs:
-        return _json_value(attrs["gen_ai.tool.call.result"])
+        return _strict_json(attrs["gen_ai.tool.call.result"])
     choices = _chat_response(attrs)
     if choices is not None:
         return {"choices": choices}
     if "output.value" in attrs:
-        return _json_value(attrs["output.value"])
+        return _openinference_value(attrs, "output")
     if "traceloop.entity.output" in attrs:
-        return _json_value(attrs["traceloop.entity.output"])
+        return _strict_json(attrs["traceloop.entity.output"])
     return None
+
+
+def _openinference_value(attrs: Mapping[str, Any], which: str) -> Any:
+    """`input.value`/`output.value`: JSON when `*.mime_type` says so; text when it says text/plain;
+    without a mime type, decoded only when it is a JSON object or array."""
+    value = attrs[f"{which}.value"]
+    mime = attrs.get(f"{which}.mime_type")
+    if mime == "application/json":
+        return _strict_json(value)
+    if mime == "text/plain":
+        return value
+    return _json_value(value)
 
 
 def _chat_request(attrs: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -355,7 +369,7 @@ def _document(content: Any, doc_id: Any, metadata: Any) -> Document:
 def _token_usage(attrs: Mapping[str, Any]) -> TokenUsage | None:
     mlflow = attrs.get("mlflow.chat.tokenUsage")
     if mlflow is not None:
-        usage = _mlflow_value(mlflow)
+        usage = _strict_json(mlflow)
         if isinstance(usage, Mapping):
             return TokenUsage(_int(usage.get("input_tokens")), _int(usage.get("output_tokens")),
                               _int(usage.get("total_tokens"))).with_total()
@@ -413,8 +427,9 @@ def _json_value(value: Any) -> Any:
     return value
 
 
-def _mlflow_value(value: Any) -> Any:
-    """MLflow's exporter JSON-encodes every value it owns (`"\\"AGENT\\""`, `"20"`)."""
+def _strict_json(value: Any) -> Any:
+    """A value its writer always JSON-encodes, decoded: MLflow's own attributes (`"\\"AGENT\\""`,
+    `"20"`), Traceloop's `json.dumps`-ed entity input/output. Text that is not JSON stays text."""
     if isinstance(value, str):
         try:
             return orjson.loads(value)
