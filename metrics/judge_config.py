@@ -1,0 +1,503 @@
+"""The `judges:` section of the configuration: endpoints, which judges run, how often, and on what.
+
+Everything is validated before a record is consumed. Pydantic reports the failing key as a path
+(`judges.custom.my_judge.prompt`); checks that span several keys (an endpoint a judge names but that is
+not defined, a custom judge's template) raise with the key in the message. `load_judges_config` turns
+either kind into a `JudgeConfigError` whose message starts with the dotted key.
+
+Example (see deploy/config/judges.example.yaml for a commented one):
+
+    judges:
+      endpoints:
+        default:
+          base_url: https://api.openai.com/v1
+          model: gpt-4.1-mini
+          embedding_model: text-embedding-3-small
+          api_key_env: OPENAI_API_KEY
+          requests_per_second: 10
+          tokens_per_minute: 200000
+      sample_rate: 0.1
+      builtin:
+        groundedness: {sample_rate: 0.5}
+        relevance_to_query: {}
+      custom:
+        correctness_1to5: {prompt: "...{request}...{response}...{expected_response}", scale: numeric}
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "BUILTIN_JUDGES",
+    "HEURISTIC_JUDGES",
+    "PLACEHOLDERS",
+    "AnswerRelevancySettings",
+    "BuiltinJudges",
+    "ChunkRelevanceSettings",
+    "CustomJudgeConfig",
+    "EndpointConfig",
+    "FactCheckSettings",
+    "FiltersConfig",
+    "GuidelinesSettings",
+    "JudgeConfigError",
+    "JudgeSettings",
+    "JudgesConfig",
+    "find_placeholders",
+    "load_judges_config",
+    "resolve_api_key",
+]
+
+BUILTIN_JUDGES: tuple[str, ...] = (
+    "groundedness",
+    "relevance_to_query",
+    "safety",
+    "correctness",
+    "context_sufficiency",
+    "chunk_relevance",
+    "answer_relevancy",
+    "fact_check",
+    "guidelines",
+)
+# The judges the model-free provider can answer.
+HEURISTIC_JUDGES: tuple[str, ...] = ("groundedness", "relevance_to_query")
+# The record fields a custom judge's prompt template may name.
+PLACEHOLDERS: tuple[str, ...] = ("request", "response", "context", "expected_response", "trajectory")
+
+# Default sample rates: the heuristic is free, a model endpoint is not.
+DEFAULT_HEURISTIC_SAMPLE_RATE = 1.0
+DEFAULT_LLM_SAMPLE_RATE = 0.1
+
+_NAME = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
+# `{name}` where name is an identifier; `{{`/`}}` escape a literal brace. Any other brace (a JSON
+# example in the prompt) is left alone, so users need not double every brace of an example.
+_PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+class JudgeConfigError(ValueError):
+    """A configuration error, reported before anything runs. `key` is the dotted path to blame."""
+
+    def __init__(self, key: str, detail: str):
+        self.key = key
+        self.detail = detail
+        super().__init__(f"{key}: {detail}")
+
+
+class _Strict(BaseModel):
+    # Typos in a config file must fail loudly, not silently fall back to a default.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EndpointConfig(_Strict):
+    """An OpenAI-compatible endpoint (OpenAI, Azure OpenAI, vLLM, Ollama, LiteLLM, Databricks serving).
+
+    `base_url` is the prefix before `/chat/completions` (e.g. `https://api.openai.com/v1`,
+    `http://localhost:11434/v1`, `https://<workspace>/serving-endpoints`, or an Azure deployment URL
+    `https://<res>.openai.azure.com/openai/deployments/<deployment>` with `query_params:
+    {api-version: ...}` and `api_key_header: api-key`).
+    """
+
+    base_url: str
+    model: str = Field(min_length=1)
+    embedding_model: str | None = None
+    # Where the key comes from; never the key itself, so a config file can be committed.
+    api_key_env: str | None = None
+    api_key_file: str | None = None
+    # "authorization" sends `Authorization: Bearer <key>`; any other name sends the bare key in that
+    # header (Azure OpenAI: `api-key`).
+    api_key_header: str = "authorization"
+    headers: dict[str, str] = Field(default_factory=dict)
+    # Header name -> environment variable holding its value (tokens other than the API key).
+    headers_from_env: dict[str, str] = Field(default_factory=dict)
+    query_params: dict[str, str] = Field(default_factory=dict)
+    chat_path: str = "/chat/completions"
+    embeddings_path: str = "/embeddings"
+    verify_tls: bool | str = True
+    timeout_seconds: float = Field(default=30.0, gt=0)
+    connect_timeout_seconds: float = Field(default=5.0, gt=0)
+    max_concurrency: int = Field(default=16, ge=1, le=1024)
+    max_retries: int = Field(default=3, ge=0, le=10)
+    backoff_initial_seconds: float = Field(default=0.5, ge=0)
+    backoff_max_seconds: float = Field(default=20.0, ge=0)
+    # A Retry-After longer than this is not waited for: the judgement fails as rate_limited instead of
+    # holding an in-flight slot for minutes.
+    max_retry_after_seconds: float = Field(default=30.0, ge=0)
+    # Structured output: json_schema (OpenAI, vLLM, Ollama>=0.5, LiteLLM), json_object, or none.
+    # The client steps down this list by itself when the endpoint rejects a format.
+    response_format: Literal["json_schema", "json_object", "none"] = "json_schema"
+    # None: do not send (o-series models reject anything but their default).
+    temperature: float | None = 0.0
+    max_output_tokens: int = Field(default=512, ge=16)
+    max_tokens_param: Literal["max_tokens", "max_completion_tokens"] = "max_tokens"
+    # The judge's input budget in tokens (estimated at 4 characters per token); longer contexts are
+    # judged in chunks.
+    max_input_tokens: int = Field(default=8000, ge=256)
+    requests_per_second: float | None = Field(default=None, gt=0)
+    tokens_per_minute: int | None = Field(default=None, gt=0)
+    breaker_failure_threshold: int = Field(default=5, ge=1)
+    breaker_reset_seconds: float = Field(default=30.0, gt=0)
+    breaker_max_reset_seconds: float = Field(default=300.0, gt=0)
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", v):
+            raise ValueError(f"must be an http(s) URL, got {v!r}")
+        return v.rstrip("/")
+
+    @field_validator("chat_path", "embeddings_path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        return v if v.startswith("/") else "/" + v
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> EndpointConfig:
+        if self.api_key_env and self.api_key_file:
+            raise ValueError("set api_key_env or api_key_file, not both")
+        return self
+
+
+class FiltersConfig(_Strict):
+    """Which traces a judge may see. All given conditions must hold; omitted ones always hold.
+
+    `status`: "ok" (stated not failed), "unknown" (failure not stated), "incomplete" (emitted by
+    trace assembly before it was whole). Failed traces are never judged, whatever this says.
+    `tags`: tag -> accepted value or list of values.
+    """
+
+    apps: list[str] | None = None
+    status: list[Literal["ok", "unknown", "incomplete"]] | None = None
+    tags: dict[str, str | list[str]] = Field(default_factory=dict)
+
+
+class JudgeSettings(_Strict):
+    enabled: bool = True
+    sample_rate: float | None = Field(default=None, ge=0, le=1)
+    # None: the section-wide filters.
+    filters: FiltersConfig | None = None
+    # Endpoint name; None: `default_endpoint`.
+    endpoint: str | None = None
+    # "heuristic" for the model-free provider (groundedness and relevance_to_query only).
+    provider: Literal["llm", "heuristic"] | None = None
+    # Pass threshold on the score in [0, 1], for judges whose score is not a plain yes/no.
+    threshold: float | None = Field(default=None, ge=0, le=1)
+
+
+class ChunkRelevanceSettings(JudgeSettings):
+    # Chunks beyond this are not judged (one request per chunk).
+    max_chunks: int = Field(default=10, ge=1, le=100)
+
+
+class AnswerRelevancySettings(JudgeSettings):
+    questions: int = Field(default=3, ge=1, le=10)
+    # Endpoint for embeddings (needs `embedding_model`); None: the judge's own endpoint.
+    embeddings_endpoint: str | None = None
+
+
+class FactCheckSettings(JudgeSettings):
+    # "minicheck": the bare `Document: …\nClaim: …` prompt that small fact checkers (Bespoke-MiniCheck)
+    # are trained on, answered with a bare Yes/No. "json": an instruction prompt answered in JSON.
+    prompt_style: Literal["json", "minicheck"] = "json"
+
+
+class GuidelinesSettings(JudgeSettings):
+    # Applied when a record carries no guidelines of its own.
+    guidelines: list[str] = Field(default_factory=list)
+
+
+class BuiltinJudges(_Strict):
+    """One optional entry per built-in judge; an unknown name is a configuration error."""
+
+    groundedness: JudgeSettings | None = None
+    relevance_to_query: JudgeSettings | None = None
+    safety: JudgeSettings | None = None
+    correctness: JudgeSettings | None = None
+    context_sufficiency: JudgeSettings | None = None
+    chunk_relevance: ChunkRelevanceSettings | None = None
+    answer_relevancy: AnswerRelevancySettings | None = None
+    fact_check: FactCheckSettings | None = None
+    guidelines: GuidelinesSettings | None = None
+
+    def configured(self) -> dict[str, JudgeSettings]:
+        return {n: s for n in BUILTIN_JUDGES if (s := getattr(self, n)) is not None and s.enabled}
+
+
+def find_placeholders(template: str) -> list[str]:
+    """The placeholder names a template uses, in order of first use (escaped braces excluded)."""
+    seen: dict[str, None] = {}
+    for m in _PLACEHOLDER.finditer(template):
+        if m.group(1):
+            seen.setdefault(m.group(1))
+    return list(seen)
+
+
+class CustomJudgeConfig(JudgeSettings):
+    """A judge defined in configuration (Vertex-style criteria + rubric, named placeholders).
+
+    The template names record fields as `{request}`, `{response}`, `{context}`, `{expected_response}`,
+    `{trajectory}`; `{{`/`}}` write a literal brace. A record lacking a field the template names is
+    skipped (missing_inputs). The answer is asked for as JSON `{"rationale", "result": "yes"|"no"}`
+    (scale yes_no) or `{"rationale", "score": n}` (scale numeric, `min_score..max_score`, mapped
+    linearly to [0, 1]); `answer_format: first_line` instead reads a bare number on the first line
+    and the reasoning after it (the LlamaIndex correctness convention).
+    """
+
+    prompt: str
+    system: str | None = None
+    criteria: str | None = None
+    rubric: dict[str, str] | str | None = None
+    scale: Literal["yes_no", "numeric"] = "yes_no"
+    min_score: float = 1.0
+    max_score: float = 5.0
+    # In the judge's own scale (e.g. 4 on 1–5). Default: the middle of the scale.
+    pass_threshold: float | None = None
+    answer_format: Literal["json", "first_line"] = "json"
+    # A context longer than the input budget: skip (counted, reason too_large) or truncate it.
+    long_context: Literal["skip", "truncate"] = "skip"
+
+    @field_validator("prompt")
+    @classmethod
+    def _template(cls, v: str) -> str:
+        used = find_placeholders(v)
+        unknown = [p for p in used if p not in PLACEHOLDERS]
+        if unknown:
+            raise ValueError(
+                f"unknown placeholder {{{unknown[0]}}}; known: "
+                + ", ".join("{" + p + "}" for p in PLACEHOLDERS)
+                + " (write {{ and }} for a literal brace)"
+            )
+        if not used:
+            raise ValueError(
+                "the template names no placeholder, so the judge would see no record data; "
+                "use at least one of " + ", ".join("{" + p + "}" for p in PLACEHOLDERS)
+            )
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rubric_keys(cls, data: Any) -> Any:
+        # YAML reads `5: ...` keys as ints; keep them as the text the judge will see.
+        if isinstance(data, dict) and isinstance(data.get("rubric"), dict):
+            data = {**data, "rubric": {str(k): s for k, s in data["rubric"].items()}}
+        return data
+
+    @model_validator(mode="after")
+    def _scale(self) -> CustomJudgeConfig:
+        if self.scale == "numeric":
+            if self.max_score <= self.min_score:
+                raise ValueError("max_score must be greater than min_score")
+            t = self.pass_threshold
+            if t is not None and not self.min_score <= t <= self.max_score:
+                raise ValueError(f"pass_threshold {t} is outside [min_score, max_score]")
+        elif self.answer_format == "first_line":
+            raise ValueError("answer_format first_line needs scale: numeric")
+        return self
+
+    @property
+    def placeholders(self) -> list[str]:
+        return find_placeholders(self.prompt)
+
+
+class JudgesConfig(_Strict):
+    endpoints: dict[str, EndpointConfig] = Field(default_factory=dict)
+    # Endpoint used by judges that name none. Default: "default" if defined, else the only endpoint.
+    default_endpoint: str | None = None
+    # Default sample rate; None: 1.0 for heuristic judges, 0.1 for model judges.
+    sample_rate: float | None = Field(default=None, ge=0, le=1)
+    # Changes which traces are sampled (all replicas must share it); see tracejudge.metrics.sampling.
+    sampling_seed: str = ""
+    filters: FiltersConfig = Field(default_factory=FiltersConfig)
+    # Records with judgements in progress; beyond it a record's judgements are skipped (overloaded).
+    max_in_flight: int = Field(default=256, ge=1)
+    # Wall-clock bound on one judge's work on one record, retries included.
+    judgement_timeout_seconds: float = Field(default=120.0, gt=0)
+    # Include skipped judgements (with their reason) in results; False keeps result lines short.
+    emit_skipped: bool = True
+    # None: heuristic groundedness + relevance_to_query without an endpoint; with one, the model
+    # judges groundedness, relevance_to_query, safety and correctness.
+    builtin: BuiltinJudges | None = None
+    custom: dict[str, CustomJudgeConfig] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _references(self) -> JudgesConfig:
+        for name in self.endpoints:
+            if not _NAME.match(name):
+                raise ValueError(
+                    f"endpoints.{name}: endpoint names are lowercase identifiers "
+                    "(they become a Prometheus label)"
+                )
+        if self.default_endpoint is not None and self.default_endpoint not in self.endpoints:
+            raise ValueError(
+                f"default_endpoint: no endpoint named {self.default_endpoint!r} "
+                f"(defined: {sorted(self.endpoints) or 'none'})"
+            )
+        if len(self.endpoints) > 1 and self.default_endpoint is None and "default" not in self.endpoints:
+            needs_default = any(
+                s.endpoint is None and self.provider_of(n, s) == "llm"
+                for n, s in self.judge_settings().items()
+            )
+            if needs_default:
+                raise ValueError(
+                    "default_endpoint: several endpoints are defined and none is named "
+                    "'default'; name the default_endpoint or set endpoint on each judge"
+                )
+        for name, settings in self.judge_settings().items():
+            key = self.key_of(name)
+            if name in self.custom and (not _NAME.match(name) or name in BUILTIN_JUDGES):
+                raise ValueError(
+                    f"{key}: a custom judge name must be a lowercase identifier "
+                    "that is not a built-in judge's name"
+                )
+            provider = self.provider_of(name, settings)
+            if provider == "heuristic":
+                if name not in HEURISTIC_JUDGES:
+                    raise ValueError(
+                        f"{key}.provider: only {', '.join(HEURISTIC_JUDGES)} have a heuristic provider"
+                    )
+                continue
+            if not self.endpoints:
+                raise ValueError(
+                    f"{key}: needs a judge endpoint, and judges.endpoints is empty (without an "
+                    f"endpoint only {', '.join(HEURISTIC_JUDGES)} can run, with the heuristic "
+                    "provider)"
+                )
+            if settings.endpoint is not None and settings.endpoint not in self.endpoints:
+                raise ValueError(
+                    f"{key}.endpoint: no endpoint named {settings.endpoint!r} "
+                    f"(defined: {sorted(self.endpoints)})"
+                )
+            if isinstance(settings, AnswerRelevancySettings):
+                emb = settings.embeddings_endpoint or settings.endpoint or self.default_endpoint_name
+                if emb not in self.endpoints:
+                    raise ValueError(f"{key}.embeddings_endpoint: no endpoint named {emb!r}")
+                if not self.endpoints[emb].embedding_model:
+                    raise ValueError(f"{key}.embeddings_endpoint: endpoint {emb!r} has no embedding_model")
+        return self
+
+    @property
+    def default_endpoint_name(self) -> str | None:
+        if self.default_endpoint:
+            return self.default_endpoint
+        if "default" in self.endpoints:
+            return "default"
+        return next(iter(self.endpoints)) if len(self.endpoints) == 1 else None
+
+    def judge_settings(self) -> dict[str, JudgeSettings]:
+        """Every enabled judge by name, built-in first, in a stable order."""
+        if self.builtin is not None:
+            out: dict[str, JudgeSettings] = dict(self.builtin.configured())
+        elif self.endpoints:
+            out = {
+                n: JudgeSettings() for n in ("groundedness", "relevance_to_query", "safety", "correctness")
+            }
+        else:
+            out = {n: JudgeSettings(provider="heuristic") for n in HEURISTIC_JUDGES}
+        out.update((n, c) for n, c in self.custom.items() if c.enabled)
+        return out
+
+    def key_of(self, name: str) -> str:
+        return f"custom.{name}" if name in self.custom else f"builtin.{name}"
+
+    def provider_of(self, name: str, settings: JudgeSettings) -> str:
+        if settings.provider:
+            return settings.provider
+        if name in HEURISTIC_JUDGES and not self.endpoints:
+            return "heuristic"
+        return "llm"
+
+    def sample_rate_of(self, name: str, settings: JudgeSettings) -> float:
+        if settings.sample_rate is not None:
+            return settings.sample_rate
+        if self.sample_rate is not None:
+            return self.sample_rate
+        if self.provider_of(name, settings) == "heuristic":
+            return DEFAULT_HEURISTIC_SAMPLE_RATE
+        return DEFAULT_LLM_SAMPLE_RATE
+
+    def endpoint_of(self, settings: JudgeSettings) -> str:
+        name = settings.endpoint or self.default_endpoint_name
+        assert name is not None  # guaranteed by _references for llm judges
+        return name
+
+
+def _dotted(loc: tuple[Any, ...], prefix: str) -> str:
+    parts = [prefix] if prefix else []
+    for p in loc:
+        if isinstance(p, int):
+            parts[-1:] = [f"{parts[-1]}[{p}]"] if parts else [f"[{p}]"]
+        else:
+            parts.append(str(p))
+    return ".".join(parts)
+
+
+def load_judges_config(
+    data: Mapping[str, Any] | JudgesConfig | None, *, prefix: str = "judges"
+) -> JudgesConfig:
+    """Validate the `judges:` section; raise `JudgeConfigError` naming the first bad key."""
+    if isinstance(data, JudgesConfig):
+        return data
+    try:
+        return JudgesConfig.model_validate(dict(data or {}))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        msg = str(err.get("msg", "invalid"))
+        msg = msg.removeprefix("Value error, ")
+        loc = tuple(err.get("loc", ()))
+        # Cross-key checks raise at the model level and carry their own key at the start of the text.
+        m = re.match(r"^([a-z_][\w.\[\]]*): (.*)$", msg, re.S)
+        if m and not loc:
+            raise JudgeConfigError(f"{prefix}.{m.group(1)}", m.group(2)) from None
+        if err.get("type") == "extra_forbidden":
+            msg = "unknown key" + (
+                f" (built-in judges: {', '.join(BUILTIN_JUDGES)})"
+                if loc[:1] == ("builtin",) and len(loc) == 2
+                else ""
+            )
+        raise JudgeConfigError(_dotted(loc, prefix), msg) from None
+
+
+def resolve_api_key(
+    name: str, endpoint: EndpointConfig, env: Mapping[str, str] | None = None, *, prefix: str = "judges"
+) -> str | None:
+    """Read an endpoint's key from its environment variable or file; None when it names neither."""
+    env = os.environ if env is None else env
+    key = f"{prefix}.endpoints.{name}"
+    if endpoint.api_key_env:
+        value = env.get(endpoint.api_key_env)
+        if not value:
+            raise JudgeConfigError(
+                f"{key}.api_key_env", f"environment variable {endpoint.api_key_env} is not set or empty"
+            )
+        return value.strip()
+    if endpoint.api_key_file:
+        path = Path(endpoint.api_key_file).expanduser()
+        try:
+            value = path.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise JudgeConfigError(f"{key}.api_key_file", f"cannot read {path}: {exc.strerror}") from None
+        if not value:
+            raise JudgeConfigError(f"{key}.api_key_file", f"{path} is empty")
+        return value
+    return None
+
+
+def resolve_headers(
+    name: str, endpoint: EndpointConfig, env: Mapping[str, str] | None = None, *, prefix: str = "judges"
+) -> dict[str, str]:
+    env = os.environ if env is None else env
+    headers = dict(endpoint.headers)
+    for header, var in endpoint.headers_from_env.items():
+        value = env.get(var)
+        if not value:
+            raise JudgeConfigError(
+                f"{prefix}.endpoints.{name}.headers_from_env.{header}",
+                f"environment variable {var} is not set or empty",
+            )
+        headers[header] = value
+    return headers

@@ -1,0 +1,167 @@
+"""Prometheus metrics of the judges (names and labels are a public contract, see the README).
+
+Label values are bounded: `judge` comes from configuration, `verdict`/`reason`/`direction` from closed
+sets, and `app` goes through the caller's `app_label` limiter (the stream's cap on distinct apps).
+The trace id never becomes a label; it rides on verdict and score observations as an exemplar, which
+Prometheus keeps when it scrapes the OpenMetrics format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["SKIP_REASONS", "JudgeMetrics", "default_app_label"]
+
+# The closed set of skip reasons (`Assessment.skipped` and the `reason` label).
+SKIP_REASONS = frozenset(
+    {
+        "failed_trace",
+        "filtered",
+        "missing_inputs",
+        "not_applicable",
+        "not_sampled",
+        "budget",
+        "circuit_open",
+        "overloaded",
+        "too_large",
+        "closed",
+    }
+)
+# The closed set of error reasons (the `reason` label of the errors counter).
+ERROR_REASONS = frozenset(
+    {
+        "timeout",
+        "rate_limited",
+        "http_5xx",
+        "http_4xx",
+        "connection",
+        "circuit_open",
+        "invalid_response",
+        "unparseable",
+        "invalid_answer",
+        "internal",
+    }
+)
+
+SCORE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+DURATION_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# Exemplar label names + values must stay within 128 characters.
+_EXEMPLAR_ID_MAX = 100
+
+
+def default_app_label(app: str | None) -> str:
+    return app or "unknown"
+
+
+def _exemplar(trace_id: str | None) -> dict[str, str] | None:
+    return {"trace_id": trace_id[:_EXEMPLAR_ID_MAX]} if trace_id else None
+
+
+class JudgeMetrics:
+    def __init__(
+        self, registry: CollectorRegistry, app_label: Callable[[str | None], str] = default_app_label
+    ):
+        self.app_label = app_label
+        self.verdicts = Counter(
+            "tracejudge_judge_verdicts",
+            "Judge verdicts on sampled traces, by outcome.",
+            ["app", "judge", "verdict"],
+            registry=registry,
+        )
+        self.score = Histogram(
+            "tracejudge_judge_score",
+            "Judge scores in [0, 1] (1 = good).",
+            ["app", "judge"],
+            buckets=SCORE_BUCKETS,
+            registry=registry,
+        )
+        self.eligible = Counter(
+            "tracejudge_judge_eligible",
+            "Traces a judge could judge (filters passed, not failed, inputs present).",
+            ["app", "judge"],
+            registry=registry,
+        )
+        self.sampled = Counter(
+            "tracejudge_judge_sampled",
+            "Eligible traces chosen by the judge's sample rate.",
+            ["app", "judge"],
+            registry=registry,
+        )
+        self.skipped = Counter(
+            "tracejudge_judge_skipped",
+            "Judgements not run, by reason.",
+            ["app", "judge", "reason"],
+            registry=registry,
+        )
+        self.errors = Counter(
+            "tracejudge_judge_errors",
+            "Judgements that ran but gave no verdict, by reason.",
+            ["judge", "reason"],
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "tracejudge_judge_duration_seconds",
+            "Wall time of one judge on one trace, retries included.",
+            ["judge"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "tracejudge_judge_tokens",
+            "Tokens sent to (input) and received from (output) judge endpoints.",
+            ["judge", "direction"],
+            registry=registry,
+        )
+        self.requests = Counter(
+            "tracejudge_judge_requests",
+            "HTTP requests to judge endpoints, by outcome.",
+            ["endpoint", "outcome"],
+            registry=registry,
+        )
+        self.circuit_open = Gauge(
+            "tracejudge_judge_circuit_open",
+            "1 while an endpoint's circuit breaker refuses calls.",
+            ["endpoint"],
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            "tracejudge_judge_in_flight", "Records with judgements in progress.", registry=registry
+        )
+
+    def observe_eligible(self, app: str, judge: str) -> None:
+        self.eligible.labels(app, judge).inc()
+
+    def observe_sampled(self, app: str, judge: str) -> None:
+        self.sampled.labels(app, judge).inc()
+
+    def observe_skipped(self, app: str, judge: str, reason: str) -> None:
+        self.skipped.labels(app, judge, reason).inc()
+
+    def observe_error(self, judge: str, reason: str) -> None:
+        self.errors.labels(judge, reason if reason in ERROR_REASONS else "internal").inc()
+
+    def observe_verdict(
+        self, app: str, judge: str, *, passed: bool | None, score: float | None, trace_id: str | None
+    ) -> None:
+        ex = _exemplar(trace_id)
+        if passed is not None:
+            self.verdicts.labels(app, judge, "pass" if passed else "fail").inc(exemplar=ex)
+        if score is not None:
+            self.score.labels(app, judge).observe(min(1.0, max(0.0, score)), exemplar=ex)
+
+    def observe_duration(self, judge: str, seconds: float) -> None:
+        self.duration.labels(judge).observe(seconds)
+
+    def observe_tokens(self, judge: str, input_tokens: int, output_tokens: int) -> None:
+        if input_tokens:
+            self.tokens.labels(judge, "input").inc(input_tokens)
+        if output_tokens:
+            self.tokens.labels(judge, "output").inc(output_tokens)
+
+    def observe_request(self, endpoint: str, outcome: str) -> None:
+        self.requests.labels(endpoint, outcome).inc()
+
+    def set_circuit_open(self, endpoint: str, is_open: bool) -> None:
+        self.circuit_open.labels(endpoint).set(1 if is_open else 0)
