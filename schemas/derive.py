@@ -388,11 +388,13 @@ def derive(trace: Trace) -> EvalRecord:
     spans = trace.spans
     root = root_span(spans)
 
+    # The duration the source states (MLflow's `execution_duration`, what its UI shows) wins over
+    # the root span's own timing, which is the fallback (OTLP states none).
     latency: float | None = None
-    if root is not None and root.end_ns is not None and root.end_ns >= root.start_ns:
-        latency = (root.end_ns - root.start_ns) / 1e9
-    elif trace.duration_ms is not None:
+    if trace.duration_ms is not None:
         latency = trace.duration_ms / 1000.0
+    elif root is not None and root.end_ns is not None and root.end_ns >= root.start_ns:
+        latency = (root.end_ns - root.start_ns) / 1e9
 
     timestamp: float | None = None
     if trace.request_time_ms is not None:
@@ -437,9 +439,6 @@ def derive(trace: Trace) -> EvalRecord:
 
 def _start(span: Span) -> int:
     return span.start_ns
-
-
-_DEFAULTS_NOT_STATED = {"source_format": "unknown", "complete": True}
 
 
 def merge(stated: EvalRecord, derived: EvalRecord) -> EvalRecord:
