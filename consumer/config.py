@@ -1,0 +1,600 @@
+"""Settings of `tracejudge run`: a YAML file, overridden by environment variables, overridden by flags.
+
+    defaults  <  --config FILE (YAML)  <  TRACEJUDGE_<SECTION>__<KEY>  <  command-line flags
+
+One pydantic model per YAML section (`kafka`, `stream`, `producer`, `http`, `prometheus`, `logging`);
+new sections (`judges:`, `metrics:`) are new fields of `Settings`. Every environment variable maps to
+one key: `TRACEJUDGE_KAFKA__SESSION_TIMEOUT_MS=6000` sets `kafka.session_timeout_ms` (double
+underscore between section and key, as in pydantic-settings). Lists (`stream.topics`,
+`kafka.bootstrap_servers`) take comma-separated values from the environment.
+
+Errors name the key and where its value came from, e.g.
+`kafka.session_timeout_ms (from TRACEJUDGE_KAFKA__SESSION_TIMEOUT_MS): must be > 0`, and are all
+reported together before anything connects. Secrets are `SecretStr`: never printed, never in errors.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+__all__ = [
+    "ENV_PREFIX",
+    "FORMATS",
+    "ConfigError",
+    "HttpSettings",
+    "KafkaSettings",
+    "LoggingSettings",
+    "ProducerSettings",
+    "PrometheusSettings",
+    "Settings",
+    "StreamSettings",
+    "TopicSpec",
+    "load_settings",
+]
+
+ENV_PREFIX = "TRACEJUDGE_"
+ENV_NESTING = "__"
+FORMATS = ("auto", "agent_eval", "mlflow", "inference_log", "otlp_proto", "otlp_json")
+_TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+_SECRET_HINTS = ("password", "secret", "token")
+
+
+class ConfigError(Exception):
+    """An invalid configuration: `problems` is a list of (key, message), all reported together."""
+
+    def __init__(self, problems: Sequence[tuple[str, str]]):
+        self.problems = list(problems)
+        super().__init__("; ".join(f"{k}: {m}" if k else m for k, m in self.problems))
+
+    def report(self) -> str:
+        lines = [f"  {key}: {msg}" if key else f"  {msg}" for key, msg in self.problems]
+        return "invalid configuration:\n" + "\n".join(lines)
+
+
+class _KeyedError(ValueError):
+    """A cross-field error that names the key to blame (relative to the model that raised it)."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        self.message = message
+        super().__init__(f"{key}: {message}")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+def _split_list(v: Any) -> Any:
+    if isinstance(v, str):
+        return [item.strip() for item in v.split(",") if item.strip()]
+    return v
+
+
+class TopicSpec(Section):
+    """A topic to consume and the format of its records (`auto` detects per record)."""
+
+    name: str
+    format: Literal["auto", "agent_eval", "mlflow", "inference_log", "otlp_proto", "otlp_json"] = "auto"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, v: Any) -> Any:
+        # "traces" or "traces:mlflow", as on the command line.
+        if isinstance(v, str):
+            name, sep, fmt = v.partition(":")
+            return {"name": name.strip(), "format": fmt.strip()} if sep else {"name": name.strip()}
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _topic_name(cls, v: str) -> str:
+        if not _TOPIC_NAME.match(v) or v in (".", ".."):
+            raise ValueError(f"{v!r} is not a valid Kafka topic name (letters, digits, '.', '_', '-'; "
+                             "at most 249 characters)")
+        return v
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.format}"
+
+
+class KafkaSettings(Section):
+    """Connection, consumer-group and security settings, passed to kafka-python's clients."""
+
+    bootstrap_servers: list[str] = Field(default_factory=lambda: ["localhost:9092"], min_length=1)
+    client_id: str = "tracejudge"
+    group_id: str = Field(default="tracejudge", min_length=1)
+    # Static membership: only useful with stable pod identities (a StatefulSet).
+    group_instance_id: str | None = None
+    auto_offset_reset: Literal["earliest", "latest"] = "earliest"
+    session_timeout_ms: int = Field(default=10_000, gt=0)
+    heartbeat_interval_ms: int = Field(default=2_000, gt=0)
+    max_poll_interval_ms: int = Field(default=300_000, gt=0)
+    max_poll_records: int = Field(default=500, gt=0)
+    fetch_max_bytes: int = Field(default=52_428_800, gt=0)
+    max_partition_fetch_bytes: int = Field(default=1_048_576, gt=0)
+    request_timeout_ms: int = Field(default=30_000, gt=0)
+    # How long the first connection may take before start-up fails.
+    bootstrap_timeout_ms: int = Field(default=30_000, gt=0)
+    commit_timeout_ms: int = Field(default=10_000, gt=0)
+
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI",
+                            "AWS_MSK_IAM"] | None = None
+    sasl_plain_username: str | None = None
+    sasl_plain_password: SecretStr | None = None
+    sasl_kerberos_service_name: str = "kafka"
+    sasl_kerberos_domain_name: str | None = None
+    # OAUTHBEARER: "package.module:factory" returning a kafka.net.sasl.oauth.AbstractTokenProvider ...
+    sasl_oauth_token_provider: str | None = None
+    # ... or a file holding the token, re-read on every authentication (a mounted, rotated secret).
+    sasl_oauth_token_file: Path | None = None
+    ssl_cafile: Path | None = None
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
+    ssl_password: SecretStr | None = None
+    ssl_crlfile: Path | None = None
+    ssl_check_hostname: bool = True
+    ssl_ciphers: str | None = None
+
+    _split = field_validator("bootstrap_servers", mode="before")(_split_list)
+
+    @field_validator("bootstrap_servers")
+    @classmethod
+    def _host_port(cls, v: list[str]) -> list[str]:
+        for server in v:
+            host, sep, port = server.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{server!r} is not host:port")
+        return v
+
+    @field_validator("ssl_cafile", "ssl_certfile", "ssl_keyfile", "ssl_crlfile", "sasl_oauth_token_file")
+    @classmethod
+    def _file_exists(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.is_file():
+            raise ValueError(f"file {str(v)!r} does not exist")
+        return v
+
+    @model_validator(mode="after")
+    def _coherent(self) -> KafkaSettings:
+        if self.heartbeat_interval_ms >= self.session_timeout_ms:
+            raise _KeyedError("heartbeat_interval_ms", f"must be lower than session_timeout_ms "
+                              f"({self.session_timeout_ms}); a third of it is usual")
+        sasl = self.security_protocol.startswith("SASL_")
+        if sasl and self.sasl_mechanism is None:
+            raise _KeyedError("sasl_mechanism", f"is required with security_protocol "
+                              f"{self.security_protocol}")
+        if not sasl and self.sasl_mechanism is not None:
+            raise _KeyedError("security_protocol", f"must be SASL_SSL or SASL_PLAINTEXT to use "
+                              f"sasl_mechanism {self.sasl_mechanism}")
+        if self.sasl_mechanism in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"):
+            # kafka-python builds, but does not raise, this error for SCRAM: it would surface later
+            # as a confusing authentication failure.
+            if not self.sasl_plain_username:
+                raise _KeyedError("sasl_plain_username", f"is required with sasl_mechanism "
+                                  f"{self.sasl_mechanism}")
+            if self.sasl_plain_password is None:
+                raise _KeyedError("sasl_plain_password", f"is required with sasl_mechanism "
+                                  f"{self.sasl_mechanism}")
+        if self.sasl_mechanism == "OAUTHBEARER":
+            if (self.sasl_oauth_token_provider is None) == (self.sasl_oauth_token_file is None):
+                raise _KeyedError("sasl_oauth_token_provider", "OAUTHBEARER needs exactly one of "
+                                  "sasl_oauth_token_provider or sasl_oauth_token_file")
+            if self.sasl_oauth_token_provider is not None:
+                try:
+                    _load_token_provider(self.sasl_oauth_token_provider)
+                except (ImportError, AttributeError, TypeError, ValueError) as exc:
+                    raise _KeyedError("sasl_oauth_token_provider", str(exc)) from None
+        if self.ssl_keyfile is not None and self.ssl_certfile is None:
+            raise _KeyedError("ssl_certfile", "is required with ssl_keyfile")
+        return self
+
+    def client_config(self) -> dict[str, Any]:
+        """Options shared by the consumer and the producer (connection and security)."""
+        cfg: dict[str, Any] = {
+            "bootstrap_servers": list(self.bootstrap_servers),
+            "client_id": self.client_id,
+            "request_timeout_ms": self.request_timeout_ms,
+            "bootstrap_timeout_ms": self.bootstrap_timeout_ms,
+            "security_protocol": self.security_protocol,
+        }
+        if self.sasl_mechanism is not None:
+            cfg["sasl_mechanism"] = self.sasl_mechanism
+            if self.sasl_plain_username is not None:
+                cfg["sasl_plain_username"] = self.sasl_plain_username
+            if self.sasl_plain_password is not None:
+                cfg["sasl_plain_password"] = self.sasl_plain_password.get_secret_value()
+            if self.sasl_mechanism == "GSSAPI":
+                cfg["sasl_kerberos_service_name"] = self.sasl_kerberos_service_name
+                if self.sasl_kerberos_domain_name:
+                    cfg["sasl_kerberos_domain_name"] = self.sasl_kerberos_domain_name
+            if self.sasl_mechanism == "OAUTHBEARER":
+                cfg["sasl_oauth_token_provider"] = (
+                    _load_token_provider(self.sasl_oauth_token_provider) if self.sasl_oauth_token_provider
+                    else _file_token_provider(self.sasl_oauth_token_file))
+        for key in ("ssl_cafile", "ssl_certfile", "ssl_keyfile", "ssl_crlfile"):
+            if (path := getattr(self, key)) is not None:
+                cfg[key] = str(path)
+        if self.ssl_password is not None:
+            cfg["ssl_password"] = self.ssl_password.get_secret_value()
+        if self.security_protocol in ("SSL", "SASL_SSL"):
+            cfg["ssl_check_hostname"] = self.ssl_check_hostname
+            if self.ssl_ciphers:
+                cfg["ssl_ciphers"] = self.ssl_ciphers
+        return cfg
+
+    def consumer_config(self) -> dict[str, Any]:
+        cfg = self.client_config()
+        cfg.update(
+            group_id=self.group_id,
+            enable_auto_commit=False,
+            auto_offset_reset=self.auto_offset_reset,
+            session_timeout_ms=self.session_timeout_ms,
+            heartbeat_interval_ms=self.heartbeat_interval_ms,
+            max_poll_interval_ms=self.max_poll_interval_ms,
+            max_poll_records=self.max_poll_records,
+            fetch_max_bytes=self.fetch_max_bytes,
+            max_partition_fetch_bytes=self.max_partition_fetch_bytes,
+        )
+        if self.group_instance_id:
+            cfg["group_instance_id"] = self.group_instance_id
+        return cfg
+
+
+def _load_token_provider(spec: str) -> Any:
+    """Import "package.module:attr"; a class (or factory) is called without arguments."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{spec!r} is not 'package.module:attribute'")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except ImportError as exc:
+        raise ImportError(f"cannot import {module_name!r}: {exc}") from None
+    except AttributeError:
+        raise AttributeError(f"module {module_name!r} has no attribute {attr!r}") from None
+    if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "token")):
+        obj = obj()
+    provider = obj
+    if not callable(getattr(provider, "token", None)):
+        raise TypeError(f"{spec!r} must give a token provider with a token() method")
+    return provider
+
+
+def _file_token_provider(path: Path | None) -> Any:
+    from kafka.net.sasl.oauth import AbstractTokenProvider
+
+    assert path is not None
+
+    class FileTokenProvider(AbstractTokenProvider):
+        # Re-read at every authentication so a rotated token (a mounted secret) is picked up.
+        def token(self) -> str:
+            return path.read_text().strip()
+
+    return FileTokenProvider()
+
+
+class StreamSettings(Section):
+    """What to consume, where results and dead letters go, and the limits of the runner."""
+
+    topics: list[TopicSpec] = Field(default_factory=list)
+    results_topic: str | None = None
+    dead_letter_topic: str | None = None
+    # The trace tag whose value names the app (the `app` label); else the source's own notion.
+    app_tag: str | None = None
+    # Records fetched and not yet exported; past it fetching pauses (memory stays bounded).
+    max_in_flight: int = Field(default=2_000, gt=0)
+    # Larger records are dead-lettered (reason too_large) without being parsed.
+    max_record_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    commit_interval_ms: int = Field(default=1_000, ge=0)
+    # On SIGTERM or revocation: how long in-flight records may take to finish before we give up on
+    # them (they are re-delivered).
+    shutdown_grace_seconds: float = Field(default=10.0, ge=0)
+    poll_timeout_ms: int = Field(default=250, gt=0)
+    lag_interval_seconds: float = Field(default=2.0, gt=0)
+
+    _split = field_validator("topics", mode="before")(_split_list)
+
+    @field_validator("results_topic", "dead_letter_topic")
+    @classmethod
+    def _sink_topic(cls, v: str | None) -> str | None:
+        if v is not None and (not _TOPIC_NAME.match(v) or v in (".", "..")):
+            raise ValueError(f"{v!r} is not a valid Kafka topic name")
+        return v or None
+
+    @model_validator(mode="after")
+    def _coherent(self) -> StreamSettings:
+        if not self.topics:
+            raise _KeyedError("topics", "at least one topic is required (--topic NAME[:FORMAT], "
+                              f"{ENV_PREFIX}STREAM{ENV_NESTING}TOPICS or stream.topics in the file)")
+        names = [t.name for t in self.topics]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise _KeyedError(f"topics[{i}]", f"topic {name!r} is listed twice")
+        for key in ("results_topic", "dead_letter_topic"):
+            if (sink := getattr(self, key)) in names:
+                raise _KeyedError(key, f"{sink!r} is also a consumed topic; tracejudge would read its "
+                                  "own output")
+        return self
+
+
+class ProducerSettings(Section):
+    """The producer that writes results and dead letters (acks=all, idempotent)."""
+
+    linger_ms: int = Field(default=5, ge=0)
+    batch_size: int = Field(default=65_536, gt=0)
+    compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
+    max_request_size: int = Field(default=1_048_576, gt=0)
+    delivery_timeout_ms: int = Field(default=120_000, gt=0)
+    # Between attempts to re-send a result or dead letter the producer gave up on.
+    retry_backoff_seconds: float = Field(default=1.0, gt=0)
+
+    def producer_config(self) -> dict[str, Any]:
+        cfg: dict[str, Any] = {
+            "acks": "all",
+            "linger_ms": self.linger_ms,
+            "batch_size": self.batch_size,
+            "max_request_size": self.max_request_size,
+            "delivery_timeout_ms": self.delivery_timeout_ms,
+        }
+        if self.compression_type:
+            cfg["compression_type"] = self.compression_type
+        return cfg
+
+
+class HttpSettings(Section):
+    """The /metrics, /healthz and /readyz endpoint."""
+
+    enabled: bool = True
+    bind_address: str = "0.0.0.0"
+    # 0 picks a free port (tests); the bound port is logged.
+    port: int = Field(default=9464, ge=0, le=65535)
+
+
+class PrometheusSettings(Section):
+    # Distinct `app` label values before new ones are exported as "other".
+    max_apps: int = Field(default=100, gt=0)
+
+
+class LoggingSettings(Section):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    # "text" for people, "json" for log pipelines.
+    format: Literal["text", "json"] = "text"
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _upper(cls, v: Any) -> Any:
+        return v.upper() if isinstance(v, str) else v
+
+
+class Settings(Section):
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    stream: StreamSettings = Field(default_factory=StreamSettings)
+    producer: ProducerSettings = Field(default_factory=ProducerSettings)
+    http: HttpSettings = Field(default_factory=HttpSettings)
+    prometheus: PrometheusSettings = Field(default_factory=PrometheusSettings)
+    logging: LoggingSettings = Field(default_factory=LoggingSettings)
+
+    def redacted(self) -> dict[str, Any]:
+        """Effective settings as flat `section.key -> value`, secrets replaced by '**********'."""
+        out: dict[str, Any] = {}
+
+        def walk(prefix: str, obj: Any) -> None:
+            if isinstance(obj, BaseModel):
+                for name in type(obj).model_fields:
+                    walk(f"{prefix}.{name}" if prefix else name, getattr(obj, name))
+            elif isinstance(obj, SecretStr):
+                out[prefix] = "**********"
+            elif isinstance(obj, list):
+                out[prefix] = [str(x) if isinstance(x, BaseModel) else x for x in obj]
+            elif isinstance(obj, Path):
+                out[prefix] = str(obj)
+            else:
+                out[prefix] = obj
+
+        walk("", self)
+        return out
+
+
+# -- loading ------------------------------------------------------------------------------------
+
+
+def load_settings(config_file: str | os.PathLike[str] | None = None, *,
+                  environ: Mapping[str, str] | None = None,
+                  overrides: Mapping[str, Any] | None = None) -> Settings:
+    """Build `Settings` from the layers; raises `ConfigError` naming every bad key and its origin.
+
+    `overrides` are dotted keys from the command line (`{"stream.topics": [...], "http.port": 9100}`);
+    None values are ignored (flag not given).
+    """
+    data: dict[str, Any] = {}
+    origins: dict[tuple[str, ...], str] = {}
+    problems: list[tuple[str, str]] = []
+
+    if config_file is not None:
+        path = Path(config_file)
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError([("--config", f"cannot read {str(path)!r}: {exc.strerror or exc}")]) from None
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or str(exc)
+            raise ConfigError([("--config", f"{str(path)!r} is not valid YAML{where}: {problem}")]) from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError([("--config", f"{str(path)!r} must hold a mapping of sections "
+                                            f"(kafka:, stream:, ...), not {type(loaded).__name__}")])
+        for section, body in loaded.items():
+            if isinstance(body, dict):
+                for key, value in body.items():
+                    _put(data, origins, (str(section), str(key)), value, f"{path}")
+            else:
+                _put(data, origins, (str(section),), body, f"{path}")
+
+    env = os.environ if environ is None else environ
+    for name, value in sorted(env.items()):
+        if not name.startswith(ENV_PREFIX) or ENV_NESTING not in name:
+            continue
+        parts = name[len(ENV_PREFIX):].lower().split(ENV_NESTING)
+        if len(parts) != 2 or not all(parts):
+            problems.append((name, f"expected {ENV_PREFIX}<SECTION>{ENV_NESTING}<KEY>"))
+            continue
+        _put(data, origins, (parts[0], parts[1]), value, name)
+
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        key = tuple(dotted.split("."))
+        _put(data, origins, key, value, _FLAG_NAMES.get(dotted, "command line"))
+
+    if problems:
+        raise ConfigError(problems)
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, origins)) from None
+
+
+# The flags of `tracejudge run`, for error messages ("from --group-id").
+_FLAG_NAMES = {
+    "kafka.bootstrap_servers": "--bootstrap-servers",
+    "kafka.group_id": "--group-id",
+    "stream.topics": "--topic",
+    "stream.results_topic": "--results-topic",
+    "stream.dead_letter_topic": "--dead-letter-topic",
+    "http.port": "--metrics-port",
+    "http.bind_address": "--metrics-bind-address",
+    "logging.level": "--log-level",
+}
+
+
+def _put(data: dict[str, Any], origins: dict[tuple[str, ...], str], key: tuple[str, ...], value: Any,
+         origin: str) -> None:
+    node = data
+    for part in key[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[key[-1]] = value
+    origins[key] = origin
+
+
+def _explain(exc: ValidationError, origins: Mapping[tuple[str, ...], str]) -> list[tuple[str, str]]:
+    problems: list[tuple[str, str]] = []
+    for err in exc.errors(include_url=False):
+        loc = tuple(err["loc"])
+        ctx = err.get("ctx") or {}
+        cause = ctx.get("error")
+        if isinstance(cause, _KeyedError):
+            loc = loc + tuple(_parse_key(cause.key))
+            message = cause.message
+        else:
+            message = _message(err, loc)
+        key = _render(loc)
+        origin = _origin(loc, origins)
+        problems.append((f"{key} (from {origin})" if origin else key, message))
+    return problems
+
+
+def _parse_key(key: str) -> Iterable[str | int]:
+    for part in key.split("."):
+        name, _, rest = part.partition("[")
+        yield name
+        if rest:
+            yield int(rest.rstrip("]"))
+
+
+def _render(loc: Sequence[Any]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif str(part).startswith(("function-", "literal[")) or part == "str":
+            continue
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _origin(loc: Sequence[Any], origins: Mapping[tuple[str, ...], str]) -> str | None:
+    names = tuple(str(p) for p in loc if not isinstance(p, int))
+    for n in range(len(names), 0, -1):
+        if names[:n] in origins:
+            return origins[names[:n]]
+    return None
+
+
+def _message(err: Mapping[str, Any], loc: Sequence[Any]) -> str:
+    kind = err["type"]
+    ctx = err.get("ctx") or {}
+    secret = any(h in str(part) for part in loc for h in _SECRET_HINTS)
+    given = "" if secret else f", got {err.get('input')!r}"
+    if kind == "greater_than":
+        return f"must be > {ctx['gt']}{given}"
+    if kind == "greater_than_equal":
+        return f"must be >= {ctx['ge']}{given}"
+    if kind == "less_than_equal":
+        return f"must be <= {ctx['le']}{given}"
+    if kind == "less_than":
+        return f"must be < {ctx['lt']}{given}"
+    if kind in ("int_parsing", "int_type", "int_from_float"):
+        return f"must be an integer{given}"
+    if kind in ("float_parsing", "float_type"):
+        return f"must be a number{given}"
+    if kind in ("bool_parsing", "bool_type"):
+        return f"must be true or false{given}"
+    if kind == "literal_error":
+        return f"must be one of {ctx.get('expected')}{given}"
+    if kind == "missing":
+        return "is required"
+    if kind == "extra_forbidden":
+        name = str(loc[-1]) if loc else ""
+        known = _fields_at(loc[:-1])
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else (f"; known keys: {', '.join(known)}"
+                                                              if known else "")
+        return f"unknown key{hint}"
+    if kind in ("too_short", "string_too_short"):
+        return "must not be empty"
+    if kind in ("string_type", "list_type", "dict_type", "model_type", "model_attributes_type"):
+        expected = {"string_type": "a string", "list_type": "a list", "dict_type": "a mapping"}.get(
+            kind, "a mapping")
+        return f"must be {expected}{given}"
+    if kind == "value_error" and "error" in ctx:
+        return str(ctx["error"])
+    return str(err.get("msg", kind))
+
+
+def _fields_at(loc: Sequence[Any]) -> list[str]:
+    """The keys the model at `loc` accepts, for "did you mean" hints."""
+    cls: Any = Settings
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = cls.model_fields.get(str(part))
+        if field is None:
+            return []
+        candidates = [field.annotation, *getattr(field.annotation, "__args__", ())]
+        cls = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if cls is None:
+            return []
+    return list(cls.model_fields)

@@ -1,0 +1,652 @@
+"""`tracejudge run`: consume traces from Kafka, evaluate them, export to Prometheus and a results topic.
+
+    Kafka topics ──poll──▶ RecordProcessor ──▶ Pipeline.normalise ──▶ Pipeline.evaluate
+                                │                                           │
+                                ▼                                           ▼
+                          DeadLetterSink                   PrometheusExporter.export + ResultSink
+                                │                                           │
+                                └────────── Ticket.release() on broker ack ◀┘
+                                                     │
+                           OffsetTracker ──lowest incomplete offset──▶ commit (poll loop)
+
+At-least-once: a record's offset is committed only when its ticket is released, i.e. its metrics are
+updated and its result (or dead letter) is acknowledged by the broker. Records may complete out of
+order (results acked in any order, later asynchronous judges); per partition the commit is the lowest
+incomplete offset.
+
+Threads: the poll loop (the caller of `run()`) fetches, processes and commits. kafka-python 3.x runs
+rebalance callbacks on its IO thread, where a blocking `commit()` raises, so the listener is an
+`AsyncConsumerRebalanceListener` that awaits `commit_async`. Producer acks arrive on the producer's
+thread and only release tickets. The HTTP server answers scrapes and probes from its own threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from types import FrameType
+from typing import Any, Protocol
+
+from kafka import AsyncConsumerRebalanceListener, KafkaConsumer, KafkaProducer
+from kafka.structs import TopicPartition
+
+from tracejudge.consumer.config import ConfigError, LoggingSettings, Settings, load_settings
+from tracejudge.consumer.http_server import OperationsServer
+from tracejudge.consumer.offsets import OffsetTracker, Ticket
+from tracejudge.consumer.pipeline import Pipeline
+from tracejudge.consumer.sinks import PROCESSING_ERROR, DeadLetterSink, Publisher, ResultSink
+from tracejudge.metrics.computed import RATIO_METRICS
+from tracejudge.metrics.prometheus import PrometheusExporter
+from tracejudge.schemas import errors
+from tracejudge.schemas.errors import RecordError
+from tracejudge.schemas.record import EvalRecord
+from tracejudge.schemas.result import SourceRef
+
+__all__ = ["Emit", "FormatHandler", "RecordProcessor", "StartupError", "StreamRunner", "add_arguments",
+           "main"]
+
+log = logging.getLogger("tracejudge.run")
+
+# Evaluate, export and publish one record; takes over one reference of the ticket.
+Emit = Callable[[EvalRecord, SourceRef, Ticket], None]
+
+
+class FormatHandler(Protocol):
+    """Takes over decoding of one format (e.g. OTLP batches that need trace assembly).
+
+    Either raise `RecordError` before touching the ticket (the record is dead-lettered), or own the
+    ticket's initial reference: `acquire()` once per record to emit, call `emit(record, source, ticket)`
+    for each (possibly later, from another thread), and `release()` the initial reference.
+    """
+
+    def __call__(self, payload: bytes, source: SourceRef, ticket: Ticket, emit: Emit) -> None: ...
+
+
+class StartupError(RuntimeError):
+    """The runner could not start (broker unreachable, port taken); the message says what to fix."""
+
+
+class RecordProcessor:
+    """The per-record path: size check, decode, evaluate, export, publish or dead-letter.
+
+    Holds no Kafka client, so it runs the same under the poll loop and in property-based tests.
+    """
+
+    def __init__(self, pipeline: Pipeline, tracker: OffsetTracker, exporter: PrometheusExporter,
+                 results: ResultSink, dead_letters: DeadLetterSink, formats: Mapping[str, str], *,
+                 max_record_bytes: int, handlers: Mapping[str, FormatHandler] | None = None) -> None:
+        self.pipeline = pipeline
+        self.tracker = tracker
+        self.exporter = exporter
+        self.results = results
+        self.dead_letters = dead_letters
+        self.formats = dict(formats)
+        self.max_record_bytes = max_record_bytes
+        self.handlers = dict(handlers or {})
+        self._observe = exporter.processing.observe
+
+    def process(self, tp: TopicPartition, record: Any) -> None:
+        """One fetched `ConsumerRecord`. Never raises for anything about the record."""
+        started = time.perf_counter()
+        ticket = self.tracker.track(tp, record.offset)
+        fmt = self.formats.get(record.topic, "auto")
+        source = SourceRef(format=fmt, topic=record.topic, partition=record.partition, offset=record.offset)
+        value = record.value
+        try:
+            if value is None:
+                raise RecordError(errors.INVALID_RECORD, "the record has no value (a tombstone)")
+            if len(value) > self.max_record_bytes:
+                raise RecordError(errors.TOO_LARGE, f"{len(value)} bytes, more than stream.max_record_bytes "
+                                  f"({self.max_record_bytes}); not parsed")
+            handler = self.handlers.get(fmt)
+            if handler is not None:
+                handler(value, source, ticket, self.emit)
+            else:
+                evaluated = self.pipeline.normalise(value, None if fmt == "auto" else fmt)
+                if fmt == "auto":
+                    source.format = evaluated.source_format
+                self.emit(evaluated, source, ticket)
+        except RecordError as exc:
+            self._dead_letter(record, source, exc.reason, exc.message, ticket)
+        except Exception as exc:
+            # A parser or metric bug: the record is dead-lettered with the traceback logged, the stream
+            # goes on.
+            log.exception("unexpected error processing %s[%s]@%s", record.topic, record.partition,
+                          record.offset)
+            self._dead_letter(record, source, PROCESSING_ERROR, f"{type(exc).__name__}: {exc}", ticket)
+        finally:
+            self._observe(time.perf_counter() - started)
+
+    def emit(self, record: EvalRecord, source: SourceRef, ticket: Ticket) -> None:
+        """Evaluate, export metrics and publish the result; the result's ack releases `ticket`.
+
+        Raises only from `evaluate`, before the ticket is used.
+        """
+        result = self.pipeline.evaluate(record, source)
+        try:
+            self.exporter.export(result)
+        except Exception:  # a metrics bug must not hold the offset back
+            log.exception("exporting metrics of %s[%s]@%s failed", source.topic, source.partition,
+                          source.offset)
+        self.exporter.count_ok(source.topic or "")
+        self.results.publish(result, ticket)
+
+    def _dead_letter(self, record: Any, source: SourceRef, reason: str, error: str, ticket: Ticket) -> None:
+        self.dead_letters.send(source=source, reason=reason, error=error, ticket=ticket, value=record.value,
+                               key=record.key, headers=record.headers, timestamp_ms=record.timestamp)
+
+
+def _describe(tps: Any) -> str:
+    by_topic: dict[str, list[int]] = {}
+    for tp in tps:
+        by_topic.setdefault(tp.topic, []).append(tp.partition)
+    return ", ".join(f"{t}{sorted(p)}" for t, p in sorted(by_topic.items())) or "none"
+
+
+class _RebalanceListener(AsyncConsumerRebalanceListener):
+    # Runs on kafka-python's IO thread while the poll thread is blocked in poll() or close(). An
+    # exception here would surface as "User rebalance callback throws an error" from poll(), so
+    # every callback logs and swallows.
+
+    def __init__(self, runner: StreamRunner) -> None:
+        self.runner = runner
+
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        if revoked:  # the first join reports an empty revocation
+            try:
+                await self.runner._on_revoked(set(revoked))
+            except Exception:
+                log.exception("handling revoked partitions failed")
+
+    async def on_partitions_assigned(self, assigned: Any) -> None:
+        try:
+            self.runner._on_assigned(set(assigned))
+        except Exception:
+            log.exception("handling assigned partitions failed")
+
+    async def on_partitions_lost(self, lost: Any) -> None:
+        if lost:
+            try:
+                self.runner._on_lost(set(lost))
+            except Exception:
+                log.exception("handling lost partitions failed")
+
+
+class StreamRunner:
+    """Runs the consumer until `stop()` (or the `stop_event` given to `run`) is set.
+
+    Embeddable: `runner.start()` runs it in a daemon thread; `runner.registry` is the Prometheus
+    registry, `runner.exporter` the metric families, `runner.http_port` the bound port of the HTTP
+    endpoint. `handlers` maps a topic format to a `FormatHandler` that takes over its decoding.
+    """
+
+    def __init__(self, settings: Settings, pipeline: Pipeline | None = None, *,
+                 exporter: PrometheusExporter | None = None,
+                 handlers: Mapping[str, FormatHandler] | None = None) -> None:
+        self.settings = settings
+        self.pipeline = pipeline or Pipeline(app_tag=settings.stream.app_tag)
+        ratio = getattr(getattr(self.pipeline, "metrics", None), "ratio_metrics", RATIO_METRICS)
+        self.exporter = exporter or PrometheusExporter(max_apps=settings.prometheus.max_apps,
+                                                       ratio_metrics=ratio)
+        self.registry = self.exporter.registry
+        self.tracker = OffsetTracker()
+        self.exporter.in_flight.set_function(lambda: self.tracker.in_flight)
+        self.handlers = dict(handlers or {})
+        self.http_port: int | None = None
+
+        self._stop = threading.Event()
+        self._assigned_event = threading.Event()
+        self._consumer: KafkaConsumer | None = None
+        self._producer: KafkaProducer | None = None
+        self._publisher: Publisher | None = None
+        self._http: OperationsServer | None = None
+        self._assigned: frozenset[TopicPartition] = frozenset()
+        # Partitions revoked with unfinished records, and where to rewind if they come back to us
+        # (kafka-python keeps the in-memory position of a partition re-assigned to the same member).
+        self._rewind: dict[TopicPartition, int] = {}
+        self._assignment_changed = False
+        self._paused_since: float | None = None
+        self._closing = False
+        self._started_at: float | None = None
+        self._last_loop: float | None = None
+        self._thread: threading.Thread | None = None
+        self._external_stop: threading.Event | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the runner to stop: it stops fetching, finishes in-flight work within the grace period,
+        commits, and leaves the group. Safe from any thread and from signal handlers."""
+        self._stop.set()
+
+    def start(self) -> threading.Thread:
+        """Run in a daemon thread (for embedding: the demo, tests). Join it after `stop()`."""
+        self._thread = threading.Thread(target=self.run, name="tracejudge-run", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def wait_assigned(self, timeout: float) -> bool:
+        """Block until partitions are assigned for the first time; True when they are."""
+        return self._assigned_event.wait(timeout)
+
+    @property
+    def assignment(self) -> frozenset[TopicPartition]:
+        return self._assigned
+
+    def run(self, stop_event: threading.Event | None = None) -> None:
+        """Consume until stopped. Raises `StartupError` when the broker or the port is unusable."""
+        s = self.settings
+        self._external_stop = stop_event
+        self._started_at = time.monotonic()
+        self._log_effective_config()
+        try:
+            if s.http.enabled:
+                try:
+                    self._http = OperationsServer(self.registry, host=s.http.bind_address, port=s.http.port,
+                                                  liveness=self.liveness, readiness=self.readiness).start()
+                except OSError as exc:
+                    raise StartupError(f"cannot serve metrics on {s.http.bind_address}:{s.http.port} "
+                                       f"(http.port): {exc.strerror or exc}") from exc
+                self.http_port = self._http.port
+                log.info("serving /metrics, /healthz, /readyz on http://%s:%d", s.http.bind_address,
+                         self.http_port)
+            processor = self._connect()
+            self._loop(processor)
+        finally:
+            self._shutdown()
+
+    def _connect(self) -> RecordProcessor:
+        s = self.settings
+        servers = ",".join(s.kafka.bootstrap_servers)
+        publisher = None
+        if s.stream.results_topic or s.stream.dead_letter_topic:
+            try:
+                self._producer = KafkaProducer(**s.kafka.client_config(), **s.producer.producer_config())
+            except Exception as exc:
+                raise StartupError(f"cannot create the producer for {servers} (kafka.bootstrap_servers): "
+                                   f"{type(exc).__name__}: {exc}") from exc
+            publisher = self._publisher = Publisher(self._producer,
+                                                    retry_backoff=s.producer.retry_backoff_seconds)
+        try:
+            self._consumer = KafkaConsumer(**s.kafka.consumer_config())
+        except Exception as exc:
+            raise StartupError(f"cannot connect to Kafka at {servers} (kafka.bootstrap_servers): "
+                               f"{type(exc).__name__}: {exc}") from exc
+        dead_letters = DeadLetterSink(publisher, s.stream.dead_letter_topic, self.exporter,
+                                      max_request_size=s.producer.max_request_size)
+        results = ResultSink(publisher, s.stream.results_topic, self.exporter, dead_letters)
+        formats = {t.name: t.format for t in s.stream.topics}
+        processor = RecordProcessor(self.pipeline, self.tracker, self.exporter, results, dead_letters,
+                                    formats, max_record_bytes=s.stream.max_record_bytes,
+                                    handlers=self.handlers)
+        self._consumer.subscribe(topics=list(formats), listener=_RebalanceListener(self))
+        log.info("subscribed to %s as group %r; waiting for partitions", ", ".join(map(str, s.stream.topics)),
+                 s.kafka.group_id)
+        return processor
+
+    def _loop(self, processor: RecordProcessor) -> None:
+        s = self.settings.stream
+        consumer = self._consumer
+        assert consumer is not None
+        publisher = self._publisher
+        tracker = self.tracker
+        process = processor.process
+        max_in_flight = s.max_in_flight
+        max_poll = self.settings.kafka.max_poll_records
+        commit_every = s.commit_interval_ms / 1000
+        lag_every = s.lag_interval_seconds
+        next_commit = next_lag = time.monotonic()
+        external = self._external_stop
+        while not self._stop.is_set():
+            if external is not None and external.is_set():
+                break
+            now = self._last_loop = time.monotonic()
+            if publisher is not None:
+                publisher.run_due_retries()
+            room = max_in_flight - tracker.in_flight
+            self._backpressure(consumer, paused=room <= 0, now=now)
+            batch = consumer.poll(timeout_ms=s.poll_timeout_ms if room > 0 else 20,
+                                  max_records=max(1, min(max_poll, room)))
+            for tp, records in batch.items():
+                for record in records:
+                    process(tp, record)
+            now = time.monotonic()
+            if now >= next_commit:
+                self._commit()
+                next_commit = now + commit_every
+            if now >= next_lag:
+                self._update_lag(consumer)
+                next_lag = now + lag_every
+
+    def _backpressure(self, consumer: KafkaConsumer, *, paused: bool, now: float) -> None:
+        # Pause and resume ALL assigned partitions together: pausing a subset can starve a partition
+        # for good in kafka-python 3.0.12 (fetcher bug). Re-checked every turn because a rebalance
+        # brings new, unpaused partitions and keeps the paused flag of retained ones.
+        if paused:
+            if self._paused_since is None:
+                self._paused_since = now
+                self.exporter.backpressure_pauses.inc()
+                log.info("in-flight cap reached (%d records, stream.max_in_flight); pausing fetches",
+                         self.tracker.in_flight)
+            unpaused = consumer.assignment() - consumer.paused()
+            if unpaused:
+                consumer.pause(*consumer.assignment())
+        elif self._paused_since is not None or self._assignment_changed:
+            if self._paused_since is not None:
+                self.exporter.backpressure_seconds.inc(now - self._paused_since)
+                self._paused_since = None
+            self._assignment_changed = False
+            if consumer.paused():
+                consumer.resume(*consumer.paused())
+
+    def _commit(self) -> None:
+        consumer = self._consumer
+        offsets = self.tracker.committable()
+        if consumer is None or not offsets:
+            return
+        try:
+            consumer.commit(offsets, timeout_ms=self.settings.kafka.commit_timeout_ms)
+        except Exception as exc:
+            self.exporter.commit_failures.inc()
+            log.warning("offset commit failed (%s: %s); the records are re-delivered unless a later "
+                        "commit succeeds: %s", type(exc).__name__, exc, _describe(offsets))
+            return
+        self.tracker.mark_committed(offsets)
+        self.exporter.commits.inc()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("committed %s", {f"{tp.topic}[{tp.partition}]": o.offset for tp, o in offsets.items()})
+
+    def _update_lag(self, consumer: KafkaConsumer) -> None:
+        for tp in consumer.assignment():
+            try:
+                high = consumer.highwater(tp)
+                if high is None:
+                    continue
+                position = consumer.position(tp, timeout_ms=0)
+            except Exception:  # revoked between assignment() and here, or no position yet
+                continue
+            if position is not None:
+                self.exporter.set_lag(tp.topic, tp.partition, max(0, high - position))
+
+    def _shutdown(self) -> None:
+        s = self.settings
+        consumer, producer = self._consumer, self._producer
+        self._stop.set()
+        try:
+            if consumer is not None:
+                grace = s.stream.shutdown_grace_seconds
+                in_flight = self.tracker.in_flight
+                if in_flight:
+                    log.info("stopping: waiting up to %.1f s (stream.shutdown_grace_seconds) for %d "
+                             "in-flight records", grace, in_flight)
+                deadline = time.monotonic() + grace
+                with _suppress_logged("pausing fetches"):
+                    if consumer.assignment():
+                        consumer.pause(*consumer.assignment())
+                while self.tracker.in_flight and (left := deadline - time.monotonic()) > 0:
+                    if self._publisher is not None:
+                        self._publisher.run_due_retries()
+                    self.tracker.wait_idle(min(0.05, left))
+                self._commit()
+                unfinished = self.tracker.incomplete()
+                if unfinished:
+                    self.exporter.revoked_unfinished.inc(sum(unfinished.values()))
+                    log.warning("stopping with %d records unfinished after the grace period; they will be "
+                                "re-delivered: %s", sum(unfinished.values()), _describe(unfinished))
+                self._closing = True
+                with _suppress_logged("closing the consumer"):
+                    # Runs the listener's on_partitions_revoked (final commit) and leaves the group.
+                    consumer.close(autocommit=False, timeout_ms=s.kafka.commit_timeout_ms)
+            if producer is not None:
+                with _suppress_logged("closing the producer"):
+                    producer.close(timeout=5)
+        finally:
+            if self._http is not None:
+                self._http.stop()
+                self._http = None
+            log.info("stopped")
+
+    # -- rebalance (kafka IO thread) -----------------------------------------------------------------
+
+    async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
+        consumer = self._consumer
+        assert consumer is not None
+        tracker = self.tracker
+        grace = 0.0 if self._closing else self.settings.stream.shutdown_grace_seconds
+        deadline = time.monotonic() + grace
+        waited = tracker.in_flight_for(revoked)
+        while tracker.in_flight_for(revoked) and time.monotonic() < deadline:
+            if self._publisher is not None:
+                self._publisher.run_due_retries()
+            await _io_sleep(consumer, 0.01)
+        offsets = tracker.committable(revoked)
+        if offsets:
+            try:
+                await consumer.commit_async(offsets)
+            except Exception as exc:
+                self.exporter.commit_failures.inc()
+                log.warning("commit on revocation failed (%s: %s); those records are re-delivered",
+                            type(exc).__name__, exc)
+            else:
+                tracker.mark_committed(offsets)
+                self.exporter.commits.inc()
+        left = tracker.in_flight_for(revoked)
+        unfinished = tracker.revoke(revoked)
+        if unfinished:
+            self.exporter.revoked_unfinished.inc(left)
+            self._rewind.update(unfinished)
+            log.warning("%d records of revoked partitions unfinished after %.1f s; re-delivered from %s",
+                        left, grace, {f"{tp.topic}[{tp.partition}]": o for tp, o in unfinished.items()})
+        self._drop_partitions(revoked, "revoked")
+        committed = {f"{tp.topic}[{tp.partition}]": om.offset for tp, om in offsets.items()}
+        log.info("partitions revoked: %s (waited for %d in-flight records; committed %s)",
+                 _describe(revoked), waited, committed or "nothing new")
+
+    def _on_lost(self, lost: set[TopicPartition]) -> None:
+        # The group already gave them to someone else: committing would fail; the new owner re-reads
+        # from the last commit.
+        left = self.tracker.in_flight_for(lost)
+        unfinished = self.tracker.revoke(lost)
+        if unfinished:
+            self.exporter.revoked_unfinished.inc(left)
+            self._rewind.update(unfinished)
+        self._drop_partitions(lost, "lost")
+        log.warning("partitions lost (session expired or fenced): %s; %d unfinished records will be "
+                    "re-delivered", _describe(lost), left)
+
+    def _drop_partitions(self, tps: set[TopicPartition], event: str) -> None:
+        self._assigned = self._assigned - tps
+        for tp in tps:
+            self.exporter.remove_lag(tp.topic, tp.partition)
+        self.exporter.rebalances.labels(event).inc()
+        self.exporter.assigned_partitions.set(len(self._assigned))
+        self._assignment_changed = True
+
+    def _on_assigned(self, assigned: set[TopicPartition]) -> None:
+        consumer = self._consumer
+        assert consumer is not None
+        for tp in assigned:
+            offset = self._rewind.pop(tp, None)
+            if offset is not None:
+                # Ours again, but its unfinished records were given up on: read them again.
+                consumer.seek(tp, offset)
+                log.info("re-reading %s[%d] from offset %d (unfinished when revoked)", tp.topic, tp.partition,
+                         offset)
+        self._assigned = self._assigned | assigned
+        self.exporter.rebalances.labels("assigned").inc()
+        self.exporter.assigned_partitions.set(len(self._assigned))
+        self._assignment_changed = True
+        log.info("partitions assigned: %s (now %d)", _describe(assigned) if assigned else "none",
+                 len(self._assigned))
+        if self._assigned:
+            self._assigned_event.set()
+
+    # -- health ---------------------------------------------------------------------------------------
+
+    def liveness(self) -> tuple[bool, str]:
+        last = self._last_loop
+        if last is None:
+            return True, "starting"
+        age = time.monotonic() - last
+        limit = self.settings.kafka.max_poll_interval_ms / 1000
+        if age > limit and not self._stop.is_set():
+            return False, f"poll loop stalled for {age:.0f} s (more than kafka.max_poll_interval_ms)"
+        return True, "ok"
+
+    def readiness(self) -> tuple[bool, str]:
+        if self._stop.is_set():
+            return False, "stopping"
+        if self._consumer is None:
+            return False, "connecting to Kafka"
+        if not self._assigned:
+            return False, "no partitions assigned (joining the group, or more consumers than partitions)"
+        age = _heartbeat_age(self._consumer)
+        limit = self.settings.kafka.session_timeout_ms / 1000
+        if age is not None and age > limit:
+            return False, f"broker unreachable: no heartbeat answered for {age:.0f} s"
+        return True, f"ok: {len(self._assigned)} partitions assigned"
+
+    def _log_effective_config(self) -> None:
+        lines = [f"  {k} = {v}" for k, v in self.settings.redacted().items() if v is not None]
+        log.info("starting tracejudge run with (unset keys omitted, secrets redacted):\n%s", "\n".join(lines))
+
+
+async def _io_sleep(consumer: KafkaConsumer, seconds: float) -> None:
+    # Yield to kafka-python's event loop (heartbeats keep flowing) instead of blocking its thread.
+    net = getattr(consumer, "_net", None)
+    if net is not None and hasattr(net, "sleep"):
+        await net.sleep(seconds)
+    else:  # pragma: no cover - other kafka-python versions
+        time.sleep(seconds)
+
+
+def _heartbeat_age(consumer: KafkaConsumer) -> float | None:
+    """Seconds since the group coordinator last answered a heartbeat, when kafka-python exposes it."""
+    heartbeat = getattr(getattr(consumer, "_coordinator", None), "heartbeat", None)
+    last = getattr(heartbeat, "last_receive", None)
+    if not isinstance(last, float) or last == float("-inf"):
+        return None
+    return time.monotonic() - last
+
+
+class _suppress_logged:
+    """Shutdown steps: log a failure and go on to the next step."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc is not None and isinstance(exc, Exception):
+            log.warning("%s failed: %s: %s", self.what, type(exc).__name__, exc)
+            return True
+        return False
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `tracejudge run`; each overrides its configuration key."""
+    parser.add_argument("--config", metavar="FILE", help="YAML configuration file")
+    parser.add_argument("--bootstrap-servers", metavar="HOST:PORT[,...]",
+                        help="Kafka brokers (kafka.bootstrap_servers)")
+    parser.add_argument("--topic", action="append", dest="topics", metavar="NAME[:FORMAT]",
+                        help="topic to consume, repeatable; FORMAT is auto (default), agent_eval, mlflow, "
+                             "inference_log, otlp_proto or otlp_json (stream.topics)")
+    parser.add_argument("--group-id", help="consumer group (kafka.group_id)")
+    parser.add_argument("--results-topic",
+                        help="publish one JSON result per record here (stream.results_topic)")
+    parser.add_argument("--dead-letter-topic",
+                        help="route undecodable records here (stream.dead_letter_topic)")
+    parser.add_argument("--metrics-port", type=int, metavar="PORT",
+                        help="port of /metrics, /healthz, /readyz (http.port, default 9464)")
+    parser.add_argument("--metrics-bind-address", metavar="ADDR", help="bind address (http.bind_address)")
+    parser.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (logging.level)")
+    parser.add_argument("--check-config", action="store_true",
+                        help="validate the configuration, print it (secrets redacted) and exit")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    overrides = {
+        "kafka.bootstrap_servers": getattr(args, "bootstrap_servers", None),
+        "kafka.group_id": getattr(args, "group_id", None),
+        "stream.topics": getattr(args, "topics", None),
+        "stream.results_topic": getattr(args, "results_topic", None),
+        "stream.dead_letter_topic": getattr(args, "dead_letter_topic", None),
+        "http.port": getattr(args, "metrics_port", None),
+        "http.bind_address": getattr(args, "metrics_bind_address", None),
+        "logging.level": getattr(args, "log_level", None),
+    }
+    return load_settings(getattr(args, "config", None), overrides=overrides)
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
+               "message": record.getMessage()}
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def configure_logging(settings: LoggingSettings) -> None:
+    """Root logging for the process, unless the embedding application configured it already."""
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_JsonFormatter() if settings.format == "json" else
+                             logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+    root.setLevel(settings.level)
+    # kafka-python narrates every connection and join at INFO; our own lines say what matters.
+    if settings.level != "DEBUG":
+        logging.getLogger("kafka").setLevel(logging.WARNING)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of `tracejudge run`: 0 after a clean stop, 1 when it cannot start, 2 on bad config."""
+    try:
+        settings = settings_from_args(args)
+    except ConfigError as exc:
+        print(f"tracejudge run: {exc.report()}", file=sys.stderr)
+        return 2
+    configure_logging(settings.logging)
+    if getattr(args, "check_config", False):
+        for key, value in settings.redacted().items():
+            print(f"{key} = {json.dumps(value)}")
+        return 0
+    runner = StreamRunner(settings)
+    signals = {"n": 0}
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        signals["n"] += 1
+        if signals["n"] > 1:
+            log.error("second %s: exiting now without committing", signal.Signals(signum).name)
+            os._exit(1)
+        log.info("%s received: stopping", signal.Signals(signum).name)
+        runner.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        runner.run()
+    except StartupError as exc:
+        log.error("%s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="tracejudge run", description=__doc__.splitlines()[0])
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))

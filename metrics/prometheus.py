@@ -1,0 +1,240 @@
+"""Prometheus metric families of tracejudge and the export of one `EvaluationResult`.
+
+The metric names and labels here are a public contract (dashboards and alert rules query them): add
+families, never rename. Everything is registered on a `CollectorRegistry` owned by the exporter, not
+on prometheus_client's global one, so tests and embedded runners can build several side by side.
+Other modules (judge metrics) register their families on `exporter.registry` and bound their `app`
+label with the same `exporter.apps` limiter.
+
+Label values come from bounded sets only: configured topics, a closed set of reasons, computed metric
+names, and the `app` a record names, which is capped by `AppLabelLimiter`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Collection
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tracejudge.metrics.computed import RATIO_METRICS
+from tracejudge.schemas.result import EvaluationResult
+
+__all__ = [
+    "LATENCY_BUCKETS",
+    "OTHER_APP",
+    "UNKNOWN_APP",
+    "AppLabelLimiter",
+    "PrometheusExporter",
+]
+
+# Agent requests take from tens of milliseconds (a cached answer) to minutes (multi-step tool use).
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0)
+# 0.0 is its own bucket: "recall 0" (retrieved nothing useful) is the case alerts care about.
+RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+DOCUMENT_BUCKETS = (0, 1, 2, 3, 4, 5, 8, 10, 15, 20, 30, 50)
+PROCESSING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                      1.0, 2.5, 5.0)
+
+OTHER_APP = "other"
+UNKNOWN_APP = "unknown"
+# Exemplar label names + values may not exceed 128 characters ("trace_id" is 8 of them).
+_EXEMPLAR_VALUE_MAX = 120
+_APP_VALUE_MAX = 100
+
+
+class AppLabelLimiter:
+    """Maps a record's `app` to a label value, admitting at most `max_apps` distinct values.
+
+    A producer that puts a request id in the app field would otherwise create one series per request;
+    past the cap every new value becomes `other` and `tracejudge_app_label_overflow_total` counts it.
+    Records without an app get `unknown`. First come, first admitted; nothing is ever evicted, so a
+    series never changes meaning while the process lives.
+    """
+
+    def __init__(self, max_apps: int, overflow: Counter) -> None:
+        if max_apps < 1:
+            raise ValueError("max_apps must be >= 1")
+        self.max_apps = max_apps
+        self._overflow = overflow
+        self._admitted: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, app: str | None) -> str:
+        if not app:
+            return UNKNOWN_APP
+        if app in self._admitted:
+            return app
+        if len(app) > _APP_VALUE_MAX:
+            app = app[:_APP_VALUE_MAX]
+            if app in self._admitted:
+                return app
+        with self._lock:
+            if app in self._admitted:
+                return app
+            if len(self._admitted) < self.max_apps:
+                self._admitted.add(app)
+                return app
+        self._overflow.inc()
+        return OTHER_APP
+
+    @property
+    def admitted(self) -> frozenset[str]:
+        return frozenset(self._admitted)
+
+
+class _AppSeries:
+    """The label children of one app, resolved once: `labels()` takes a lock and hashes every call."""
+
+    __slots__ = ("app", "docs", "errors", "input_tokens", "latency", "ok", "output_tokens", "ratios")
+
+    def __init__(self, exp: PrometheusExporter, app: str) -> None:
+        self.app = app
+        self.ok = exp.traces.labels(app, "ok")
+        self.errors = exp.traces.labels(app, "error")
+        self.latency = exp.trace_latency.labels(app)
+        self.input_tokens = exp.tokens.labels(app, "input")
+        self.output_tokens = exp.tokens.labels(app, "output")
+        self.docs = exp.retrieved_documents.labels(app)
+        self.ratios: dict[str, Histogram] = {}
+
+
+class PrometheusExporter:
+    """Owns the registry and every tracejudge metric family; `export(result)` records one result.
+
+    `ratio_metrics` names the computed metrics whose values lie in [0, 1]; only those are observed in
+    `tracejudge_metric_value` (latency or token counts would land in the +Inf bucket).
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, *, max_apps: int = 100,
+                 ratio_metrics: Collection[str] = RATIO_METRICS) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.ratio_metrics = frozenset(ratio_metrics)
+        r = self.registry
+
+        # -- what the traces say -------------------------------------------------------------------
+        self.traces = Counter("tracejudge_traces", "Evaluated traces by app and status (error when "
+                              "the trace failed).", ["app", "status"], registry=r)
+        self.trace_latency = Histogram("tracejudge_trace_latency_seconds", "End-to-end latency of "
+                                       "evaluated traces, with a trace_id exemplar.", ["app"],
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.tokens = Counter("tracejudge_tokens", "Tokens used by evaluated traces.",
+                              ["app", "direction"], registry=r)
+        self.retrieved_documents = Histogram("tracejudge_retrieved_documents", "Documents retrieved "
+                                             "per trace (traces that retrieved).", ["app"],
+                                             buckets=DOCUMENT_BUCKETS, registry=r)
+        self.metric_value = Histogram("tracejudge_metric_value", "Computed ratio metrics in [0, 1] "
+                                      "(document_recall, trajectory_*, custom ratio metrics).",
+                                      ["app", "metric"], buckets=RATIO_BUCKETS, registry=r)
+        self.metric_errors = Counter("tracejudge_metric_errors", "Computed metrics that raised for a "
+                                     "record (the result carries the error).", ["metric"], registry=r)
+        self.app_overflow = Counter("tracejudge_app_label_overflow", "Records whose app was exported "
+                                    "as 'other' because the distinct-app cap was reached.", registry=r)
+        self.apps = AppLabelLimiter(max_apps, self.app_overflow)
+
+        # -- what the stream does ------------------------------------------------------------------
+        self.records = Counter("tracejudge_records", "Kafka records consumed, by outcome: ok "
+                               "(evaluated and exported) or dead_lettered.", ["topic", "outcome"],
+                               registry=r)
+        self.dead_letters = Counter("tracejudge_dead_letters", "Records rejected as undecodable, "
+                                    "invalid or too large, by reason.", ["reason"], registry=r)
+        self.dead_letters_unrouted = Counter("tracejudge_dead_letters_unrouted", "Rejected records "
+                                             "only logged, because no dead-letter topic is configured.",
+                                             ["reason"], registry=r)
+        self.dead_letter_publish_failures = Counter("tracejudge_dead_letter_publish_failures",
+                                                    "Dead letters the producer failed to deliver "
+                                                    "(retried; the offset waits).", registry=r)
+        self.results_published = Counter("tracejudge_results_published", "Results acknowledged by the "
+                                         "broker on the results topic.", registry=r)
+        self.result_publish_failures = Counter("tracejudge_result_publish_failures", "Results the "
+                                               "producer failed to deliver (retried; the offset waits).",
+                                               registry=r)
+        self.in_flight = Gauge("tracejudge_in_flight_records", "Records fetched and not yet fully "
+                               "exported.", registry=r)
+        self.processing = Histogram("tracejudge_record_processing_seconds", "Time to decode, evaluate "
+                                    "and export one record on the consumer thread (not broker acks).",
+                                    buckets=PROCESSING_BUCKETS, registry=r)
+        self.commits = Counter("tracejudge_commits", "Successful offset commits.", registry=r)
+        self.commit_failures = Counter("tracejudge_commit_failures", "Offset commits that failed (the "
+                                       "records are re-delivered unless a later commit succeeds).",
+                                       registry=r)
+        self.consumer_lag = Gauge("tracejudge_consumer_lag_records", "Records between the consumer's "
+                                  "position and the partition high watermark.", ["topic", "partition"],
+                                  registry=r)
+        self.assigned_partitions = Gauge("tracejudge_assigned_partitions", "Partitions assigned to this "
+                                         "consumer.", registry=r)
+        self.rebalances = Counter("tracejudge_rebalances", "Partition assignment changes by event "
+                                  "(assigned, revoked, lost).", ["event"], registry=r)
+        self.revoked_unfinished = Counter("tracejudge_revoked_unfinished_records", "Records still in "
+                                          "flight after the grace period when their partition was "
+                                          "revoked or the consumer stopped; they are re-delivered.",
+                                          registry=r)
+        self.backpressure_pauses = Counter("tracejudge_backpressure_pauses", "Times fetching paused "
+                                           "because the in-flight cap was reached.", registry=r)
+        self.backpressure_seconds = Counter("tracejudge_backpressure_seconds", "Time spent with "
+                                            "fetching paused by the in-flight cap.", registry=r)
+
+        self._ok_by_topic: dict[str, Counter] = {}
+        self._series: dict[str, _AppSeries] = {}
+        self._series_lock = threading.Lock()
+
+    # -- per record ------------------------------------------------------------------------------
+
+    def _app_series(self, app: str) -> _AppSeries:
+        series = self._series.get(app)
+        if series is None:
+            with self._series_lock:
+                series = self._series.get(app)
+                if series is None:
+                    series = self._series[app] = _AppSeries(self, app)
+        return series
+
+    def export(self, result: EvaluationResult) -> None:
+        """Record one evaluated trace: status, latency (trace_id exemplar), tokens, documents, ratios."""
+        rec = result.record
+        s = self._app_series(self.apps(rec.app))
+        trace_id = rec.trace_id or rec.request_id
+        exemplar = {"trace_id": trace_id[:_EXEMPLAR_VALUE_MAX]} if trace_id else None
+        (s.errors if rec.failed else s.ok).inc(1, exemplar)
+        if rec.latency_seconds is not None and rec.latency_seconds >= 0:
+            s.latency.observe(rec.latency_seconds, exemplar)
+        tokens = rec.tokens
+        if tokens is not None:
+            if tokens.input:
+                s.input_tokens.inc(tokens.input)
+            if tokens.output:
+                s.output_tokens.inc(tokens.output)
+        if rec.retrieved_context is not None:
+            s.docs.observe(len(rec.retrieved_context))
+        ratio_metrics = self.ratio_metrics
+        for name, value in result.metrics.items():
+            if value is None or name not in ratio_metrics or not 0.0 <= value <= 1.0:
+                continue
+            child = s.ratios.get(name)
+            if child is None:
+                child = s.ratios[name] = self.metric_value.labels(s.app, name)
+            child.observe(value)
+        for name in result.metric_errors:
+            self.metric_errors.labels(name).inc()
+
+    def count_ok(self, topic: str) -> None:
+        child = self._ok_by_topic.get(topic)
+        if child is None:
+            child = self._ok_by_topic[topic] = self.records.labels(topic, "ok")
+        child.inc()
+
+    def count_dead_letter(self, topic: str, reason: str, routed: bool) -> None:
+        self.records.labels(topic, "dead_lettered").inc()
+        self.dead_letters.labels(reason).inc()
+        if not routed:
+            self.dead_letters_unrouted.labels(reason).inc()
+
+    # -- partitions ------------------------------------------------------------------------------
+
+    def set_lag(self, topic: str, partition: int, lag: int) -> None:
+        self.consumer_lag.labels(topic, str(partition)).set(lag)
+
+    def remove_lag(self, topic: str, partition: int) -> None:
+        with contextlib.suppress(KeyError):
+            self.consumer_lag.remove(topic, str(partition))
