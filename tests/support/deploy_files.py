@@ -1,0 +1,131 @@
+"""Where the deployment files live, their helper scripts as modules, and the public metric contract.
+
+`deploy/` is not a Python package (it ships YAML/JSON plus a few scripts), so its scripts are loaded
+from their paths here. `METRICS` is the list of metric families the dashboards and rules may query:
+the public contract of tracejudge's /metrics (tests check the exporter really exports each of them).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+from typing import Any, NamedTuple
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+RULES = DEPLOY / "prometheus" / "rules" / "tracejudge.rules.yml"
+RULE_TESTS = DEPLOY / "prometheus" / "tests"
+ALERTMANAGER = DEPLOY / "prometheus" / "alertmanager.yml"
+DASHBOARDS = DEPLOY / "grafana" / "dashboards"
+K8S = DEPLOY / "k8s"
+COMPOSE = DEPLOY / "compose"
+
+
+@cache
+def deploy_module(relative: str) -> ModuleType:
+    """Import a script under deploy/ (e.g. "prometheus/shorten.py") as a module."""
+    path = DEPLOY / relative
+    name = "deploy_" + path.stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def tool(name: str) -> str:
+    """Path of a command-line tool: the venv's bin first (pip-installed tools), then PATH."""
+    beside = Path(sys.executable).parent / name
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise AssertionError(f"{name} is not installed; CI installs it (see .ci/run and the test extras)")
+    return found
+
+
+def load_yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def load_yaml_documents(path: Path) -> list[Any]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def rule_groups() -> list[dict[str, Any]]:
+    return load_yaml(RULES)["groups"]
+
+
+def recording_rules() -> set[str]:
+    return {r["record"] for g in rule_groups() for r in g["rules"] if "record" in r}
+
+
+def alerts() -> list[dict[str, Any]]:
+    return [r for g in rule_groups() for r in g["rules"] if "alert" in r]
+
+
+class Family(NamedTuple):
+    type: str  # counter | gauge | histogram
+    labels: tuple[str, ...]
+    meaning: str
+
+
+# Counters carry their exposed `_total` name; histograms their base name (`_bucket`/`_sum`/`_count`).
+METRICS: dict[str, Family] = {
+    "tracejudge_records_total": Family("counter", ("topic", "outcome"),
+                                       "Kafka records consumed; outcome ok or dead_lettered."),
+    "tracejudge_dead_letters_total": Family("counter", ("reason",),
+                                            "Records sent to the dead-letter topic, by reason."),
+    "tracejudge_traces_total": Family("counter", ("app", "status"),
+                                      "Evaluated traces; status error when the trace failed."),
+    "tracejudge_trace_latency_seconds": Family("histogram", ("app",),
+                                               "End-to-end trace latency (50 ms-120 s); trace_id exemplar."),
+    "tracejudge_tokens_total": Family("counter", ("app", "direction"),
+                                      "Tokens the agent used; direction input or output."),
+    "tracejudge_retrieved_documents": Family("histogram", ("app",), "Documents retrieved per trace."),
+    "tracejudge_metric_value": Family("histogram", ("app", "metric"),
+                                      "Computed metrics in [0, 1] (document_recall, trajectory_*)."),
+    "tracejudge_consumer_lag_records": Family("gauge", ("topic", "partition"),
+                                              "Records between the consumer position and the partition end."),
+    "tracejudge_commits_total": Family("counter", (), "Successful offset commits."),
+    "tracejudge_judge_verdicts_total": Family("counter", ("app", "judge", "verdict"),
+                                              "Judge verdicts; verdict pass or fail."),
+    "tracejudge_judge_score": Family("histogram", ("app", "judge"),
+                                     "Judge scores in [0, 1] (1 = good); trace_id exemplar."),
+    "tracejudge_judge_eligible_total": Family("counter", ("app", "judge"),
+                                              "Traces a judge could judge (filters passed, inputs present)."),
+    "tracejudge_judge_sampled_total": Family("counter", ("app", "judge"),
+                                             "Eligible traces chosen by the judge's sample rate."),
+    "tracejudge_judge_skipped_total": Family("counter", ("app", "judge", "reason"),
+                                             "Sampled judgements not run, by reason."),
+    "tracejudge_judge_errors_total": Family("counter", ("judge", "reason"),
+                                            "Judgements that ran but gave no verdict, by reason."),
+    "tracejudge_judge_duration_seconds": Family("histogram", ("judge",),
+                                                "Wall time of one judge on one trace, retries included."),
+    "tracejudge_judge_tokens_total": Family("counter", ("judge", "direction"),
+                                            "Tokens sent to / received from judge endpoints."),
+    "tracejudge_assembly_open_traces": Family("gauge", (), "OTel traces being assembled."),
+    "tracejudge_assembly_spans_held": Family("gauge", (), "Spans held in memory by trace assembly."),
+    "tracejudge_assembly_traces_emitted_total": Family("counter", ("reason",),
+                                                       "Assembled traces emitted, by why."),
+}
+
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def family_of(series_name: str) -> str | None:
+    """The contract family a series name belongs to (`x_bucket` -> `x` for histograms), else None."""
+    if series_name in METRICS:
+        return series_name
+    for suffix in HISTOGRAM_SUFFIXES:
+        base = series_name.removesuffix(suffix)
+        if base != series_name and METRICS.get(base, Family("", (), "")).type == "histogram":
+            return base
+    return None
