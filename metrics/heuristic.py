@@ -130,7 +130,7 @@ class HeuristicGroundedness(HeuristicJudge):
         )
         if unsupported:
             rationale += "; unsupported: " + "; ".join(f"[{i}] {_clip(s)}" for i, s in unsupported[:5])
-        return self.assessment(value=round(score, 6), score=score, passed=passed, rationale=rationale)
+        return self.assessment(value=score, score=score, passed=passed, rationale=rationale)
 
 
 def _supported(words: set[str], numbers: set[str], chunk_words: set[str], chunk_numbers: set[str]) -> bool:
@@ -156,7 +156,7 @@ class HeuristicRelevance(HeuristicJudge):
         rationale = f"{len(shared)}/{len(wanted)} content words of the request appear in the response"
         if missing:
             rationale += " (missing: " + ", ".join(missing[:8]) + ")"
-        return self.assessment(value=round(score, 6), score=score, passed=passed, rationale=rationale)
+        return self.assessment(value=score, score=score, passed=passed, rationale=rationale)
 
 
 def _originals(text: str, stems: set[str]) -> list[str]:

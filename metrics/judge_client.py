@@ -268,6 +268,8 @@ class JudgeClient:
                     headers["authorization"] = f"Bearer {self._api_key}"
                 else:
                     headers[c.api_key_header] = self._api_key
+            headers.update(c.headers)
+            # Values from the environment (secrets) last, so they win over a same-named static header.
             headers.update(self._extra_headers)
             self._http = httpx.AsyncClient(
                 base_url=c.base_url,

@@ -490,8 +490,9 @@ def resolve_api_key(
 def resolve_headers(
     name: str, endpoint: EndpointConfig, env: Mapping[str, str] | None = None, *, prefix: str = "judges"
 ) -> dict[str, str]:
+    """The headers whose values come from the environment (`headers_from_env`); treated as secrets."""
     env = os.environ if env is None else env
-    headers = dict(endpoint.headers)
+    headers: dict[str, str] = {}
     for header, var in endpoint.headers_from_env.items():
         value = env.get(var)
         if not value:

@@ -63,6 +63,7 @@ class JudgeMetrics:
     def __init__(
         self, registry: CollectorRegistry, app_label: Callable[[str | None], str] = default_app_label
     ):
+        self.registry = registry
         self.app_label = app_label
         self.verdicts = Counter(
             "tracejudge_judge_verdicts",

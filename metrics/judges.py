@@ -939,7 +939,7 @@ class AnswerRelevancy(Judge):
                 + ("; the response is noncommittal, so 0" if noncommittal else "")
             )
             return self.assessment(
-                value=round(raw, 6), score=score, passed=score >= threshold, rationale=rationale
+                value=raw, score=score, passed=score >= threshold, rationale=rationale
             )
 
         return Job(Cost(2, tokens + OUTPUT_TOKENS_ESTIMATE + estimate_tokens(request) + 30 * n), run)
