@@ -68,7 +68,7 @@ class AssemblySettings:
     max_wait_s: float = 60.0
     # Caps on memory: beyond them the oldest open traces are emitted as they are (`evicted`).
     max_open_traces: int = 20_000
-    max_spans_held: int = 500_000
+    max_spans_held: int = 200_000
     # How many emitted trace ids are remembered to recognise late spans.
     remember_emitted: int = 100_000
 

@@ -107,17 +107,17 @@ def span_from_otel(
     span = Span(span_id=span_id, parent_id=parent_id, name=name, start_ns=start_ns, end_ns=end_ns,
                 status=status, status_message=status_message, exception=_exception(events))
     if any(k in attributes for k in MARKERS):
-        _read_convention(span, attributes, events)
-        # The same key set as the loop below, spelled out so the common case is one dict pass.
-        span.attributes = {k: v for k, v in attributes.items()
-                           if k not in _PAYLOAD_KEYS and not k.startswith(_PAYLOAD_PREFIXES)}
+        flat = {k: v for k, v in attributes.items() if k.startswith(_PAYLOAD_PREFIXES)}
+        _read_convention(span, attributes, flat, events)
+        span.attributes = {k: v for k, v in attributes.items() if k not in _PAYLOAD_KEYS and k not in flat}
     else:
         span.attributes = attributes
     return span
 
 
-def _read_convention(span: Span, attrs: dict[str, Any], events: Sequence[tuple[str, Mapping[str, Any]]],
-                     ) -> None:
+def _read_convention(span: Span, attrs: dict[str, Any], flat: dict[str, Any],
+                     events: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
+    """`flat` holds the flattened-list attributes (`llm.input_messages.N.*`, …), usually none."""
     mlflow = "mlflow.spanType" in attrs
     kind = _kind(attrs)
     span.kind = kind
@@ -125,11 +125,11 @@ def _read_convention(span: Span, attrs: dict[str, Any], events: Sequence[tuple[s
         span.inputs = _strict_json(attrs.get("mlflow.spanInputs"))
         span.outputs = _strict_json(attrs.get("mlflow.spanOutputs"))
     else:
-        span.inputs = _inputs(attrs, kind)
-        span.outputs = _outputs(attrs, kind)
+        span.inputs = _inputs(attrs, flat, kind)
+        span.outputs = _outputs(attrs, flat, kind)
     span.token_usage = _token_usage(attrs)
     if kind is SpanKind.RETRIEVER or kind is SpanKind.RERANKER:
-        span.documents = _documents(attrs, events)
+        span.documents = _documents(attrs, flat, events)
     if kind is SpanKind.TOOL:
         tool = attrs.get("gen_ai.tool.name") or attrs.get("tool.name")
         if tool is None and "traceloop.span.kind" in attrs:
@@ -160,7 +160,7 @@ def _kind(attrs: Mapping[str, Any]) -> SpanKind:
 # --- inputs / outputs ------------------------------------------------------------------------------
 
 
-def _inputs(attrs: dict[str, Any], kind: SpanKind) -> Any:
+def _inputs(attrs: dict[str, Any], flat: dict[str, Any], kind: SpanKind) -> Any:
     if kind is SpanKind.TOOL:
         if "gen_ai.tool.call.arguments" in attrs:
             # "SHOULD do the best effort to deserialize it to an object" (GenAI spec).
@@ -172,7 +172,7 @@ def _inputs(attrs: dict[str, Any], kind: SpanKind) -> Any:
         # OpenInference's tool.parameters is the call's arguments in some instrumentations and the
         # tool's schema in others; it is read only when nothing states the actual call.
         return _json_value(attrs["tool.parameters"]) if "tool.parameters" in attrs else None
-    messages = _chat_request(attrs)
+    messages = _chat_request(attrs, flat)
     if messages is not None:
         return {"messages": messages}
     if "input.value" in attrs:
@@ -184,10 +184,10 @@ def _inputs(attrs: dict[str, Any], kind: SpanKind) -> Any:
     return None
 
 
-def _outputs(attrs: dict[str, Any], kind: SpanKind) -> Any:
+def _outputs(attrs: dict[str, Any], flat: dict[str, Any], kind: SpanKind) -> Any:
     if kind is SpanKind.TOOL and "gen_ai.tool.call.result" in attrs:
         return _strict_json(attrs["gen_ai.tool.call.result"])
-    choices = _chat_response(attrs)
+    choices = _chat_response(attrs, flat)
     if choices is not None:
         return {"choices": choices}
     if "output.value" in attrs:
@@ -209,7 +209,7 @@ def _openinference_value(attrs: Mapping[str, Any], which: str) -> Any:
     return _json_value(value)
 
 
-def _chat_request(attrs: dict[str, Any]) -> list[dict[str, Any]] | None:
+def _chat_request(attrs: dict[str, Any], flat: dict[str, Any]) -> list[dict[str, Any]] | None:
     """Input chat messages from whichever dialect states them, as OpenAI-style messages."""
     if "gen_ai.input.messages" in attrs:
         messages = [_genai_message(m) for m in _json_list(attrs["gen_ai.input.messages"])]
@@ -219,16 +219,16 @@ def _chat_request(attrs: dict[str, Any]) -> list[dict[str, Any]] | None:
             content = _parts_text(parts if isinstance(parts, list) else [parts])
             messages.insert(0, {"role": "system", "content": content})
         return messages
-    flat = _indexed(attrs, "llm.input_messages.")
-    if flat:
-        return [_openinference_message(m) for m in flat]
-    flat = _indexed(attrs, "gen_ai.prompt.")
-    if flat:
-        return [_traceloop_message(m) for m in flat]
+    items = _indexed(flat, "llm.input_messages.")
+    if items:
+        return [_openinference_message(m) for m in items]
+    items = _indexed(flat, "gen_ai.prompt.")
+    if items:
+        return [_traceloop_message(m) for m in items]
     return None
 
 
-def _chat_response(attrs: dict[str, Any]) -> list[dict[str, Any]] | None:
+def _chat_response(attrs: dict[str, Any], flat: dict[str, Any]) -> list[dict[str, Any]] | None:
     if "gen_ai.output.messages" in attrs:
         out = []
         for i, m in enumerate(_json_list(attrs["gen_ai.output.messages"])):
@@ -237,13 +237,13 @@ def _chat_response(attrs: dict[str, Any]) -> list[dict[str, Any]] | None:
                 choice["finish_reason"] = m["finish_reason"]
             out.append(choice)
         return out
-    flat = _indexed(attrs, "llm.output_messages.")
-    if flat:
-        return [{"index": i, "message": _openinference_message(m)} for i, m in enumerate(flat)]
-    flat = _indexed(attrs, "gen_ai.completion.")
-    if flat:
+    items = _indexed(flat, "llm.output_messages.")
+    if items:
+        return [{"index": i, "message": _openinference_message(m)} for i, m in enumerate(items)]
+    items = _indexed(flat, "gen_ai.completion.")
+    if items:
         out = []
-        for i, m in enumerate(flat):
+        for i, m in enumerate(items):
             choice = {"index": i, "message": _traceloop_message(m)}
             if m.get("finish_reason") is not None:
                 choice["finish_reason"] = m["finish_reason"]
@@ -332,12 +332,12 @@ def _unwrap_call(value: Any) -> Any:
 # --- documents, tokens, exceptions -------------------------------------------------------------------
 
 
-def _documents(attrs: dict[str, Any], events: Sequence[tuple[str, Mapping[str, Any]]],
-               ) -> list[Document] | None:
-    flat = _indexed(attrs, "retrieval.documents.")
-    if flat:
+def _documents(attrs: dict[str, Any], flat: dict[str, Any],
+               events: Sequence[tuple[str, Mapping[str, Any]]]) -> list[Document] | None:
+    items = _indexed(flat, "retrieval.documents.")
+    if items:
         return [_document(d.get("document.content"), d.get("document.id"), d.get("document.metadata"))
-                for d in flat]
+                for d in items]
     if "gen_ai.retrieval.documents" in attrs:
         docs = []
         for d in _json_list(attrs["gen_ai.retrieval.documents"]):
@@ -382,9 +382,11 @@ def _token_usage(attrs: Mapping[str, Any]) -> TokenUsage | None:
 
 def _first_int(attrs: Mapping[str, Any], keys: Iterable[str]) -> int | None:
     for key in keys:
-        value = _int(attrs.get(key))
+        value = attrs.get(key)
         if value is not None:
-            return value
+            value = _int(value)
+            if value is not None:
+                return value
     return None
 
 
