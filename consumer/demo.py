@@ -34,6 +34,7 @@ _log = logging.getLogger(__name__)
 DEFAULT_TOPIC = "tracejudge-demo-traces"
 DEFAULT_GROUP = "tracejudge-demo"
 PARTITIONS = 3
+BOOTSTRAP_TIMEOUT_MS = 15_000
 # How long the final drain may wait for the consumer to catch up with what was produced.
 DRAIN_TIMEOUT_SECONDS = 20.0
 TTY_REFRESH_SECONDS = 1.0
@@ -439,13 +440,21 @@ def check_extra() -> None:
 
 def create_topic(bootstrap_servers: str, topic: str, partitions: int = PARTITIONS) -> None:
     from kafka.admin import KafkaAdminClient, NewTopic
-    from kafka.errors import TopicAlreadyExistsError
+    from kafka.errors import KafkaError, TopicAlreadyExistsError
 
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap_servers, client_id="tracejudge-demo-admin")
+    try:
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap_servers, client_id="tracejudge-demo-admin",
+                                 bootstrap_timeout_ms=BOOTSTRAP_TIMEOUT_MS)
+    except KafkaError as exc:
+        raise DemoUnavailable(f"cannot reach Kafka at {bootstrap_servers} (--bootstrap-servers): "
+                              f"{exc}") from exc
     try:
         admin.create_topics([NewTopic(topic, partitions, 1)])
     except TopicAlreadyExistsError:
         pass
+    except KafkaError as exc:
+        raise DemoUnavailable(f"cannot create topic {topic!r} (--topic) at {bootstrap_servers}: "
+                              f"{exc}") from exc
     finally:
         admin.close()
 
@@ -591,7 +600,8 @@ class EmbeddedRunner:
                 raise DemoUnavailable(f"the consumer did not serve /metrics within {timeout:g}s")
             self._thread.join(0.02)
         if self.error is not None:
-            raise DemoUnavailable(str(self.error)) from self.error
+            hint = " (--metrics-port 0 picks a free port)" if "http.port" in str(self.error) else ""
+            raise DemoUnavailable(f"{self.error}{hint}") from self.error
         return self
 
     @property
