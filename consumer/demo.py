@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import shutil
 import signal
 import sys
 import threading
@@ -389,7 +390,9 @@ class LiveView:
         prefix = f"\x1b[{self._drawn}F\x1b[J" if self._drawn else ""
         self.out.write(prefix + block + "\n")
         self.out.flush()
-        self._drawn = block.count("\n") + 1
+        # Rows on screen, counting lines the terminal wrapped, so the next redraw starts at the top.
+        columns = max(1, shutil.get_terminal_size().columns)
+        self._drawn = sum(max(1, math.ceil(len(line) / columns)) for line in block.split("\n"))
 
     def clear(self) -> None:
         if self.tty and self._drawn:
