@@ -49,7 +49,7 @@ that the their theirs them themselves then there these they this those through t
 too under until up upon us use used using very via was wasn't we were weren't what when
 where whether which while who whom whose why will with within without won't would
 wouldn't yes yet you your yours yourself yourselves hello thanks thank sure okay ok help
-know tell give want need make answer question
+know tell give want need make answer question long many kind way
 """
 STOP_WORDS = frozenset(_STOP_WORDS_TEXT.split())
 
