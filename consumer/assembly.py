@@ -224,15 +224,20 @@ class TraceAssembler:
         return out
 
     def discard(self) -> int:
-        """Drop every open trace WITHOUT releasing its tickets (revocation, shutdown, crash recovery).
+        """Drop every open trace WITHOUT releasing its tickets (partition revocation, shutdown).
 
-        Their records stay uncommitted and are read again. The memory of emitted ids is cleared too:
-        re-read spans of a trace whose result was in flight must be assembled again, not dropped as late.
+        Their records stay uncommitted and are read again from the lowest unfinished offset, by the
+        next owner or by this consumer (the runner seeks back when the partitions return to it).
+        Emitted trace ids are remembered across a discard: a re-read record may also carry spans of a
+        trace already emitted, whose export finishes on its own; those spans are dropped as late
+        instead of becoming a second, partial copy of the trace.
+
+        All open traces go, whatever partition their records came from: kafka-python's default
+        assignors are eager, so a rebalance revokes every partition at once.
         """
         dropped = len(self._open)
         self._open.clear()
         self._quiet.clear()
-        self._emitted.clear()
         self._held = 0
         if self._metrics is not None:
             self._metrics.discarded.inc(dropped)

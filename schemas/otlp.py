@@ -57,11 +57,14 @@ class SpanGroup:
 
 
 def detect_format(payload: bytes | str) -> str:
-    """OTLP/JSON starts with `{` (after whitespace); anything else is read as protobuf."""
+    """OTLP/JSON starts with `{`; anything else is read as protobuf.
+
+    Leading spaces, tabs and CRs are skipped but not a newline: 0x0A is also the tag protobuf starts
+    an `ExportTraceServiceRequest` with, and 0x0A 0x7B is a resource of 123 bytes, not JSON.
+    """
     if isinstance(payload, str):
         return FORMAT_JSON
-    head = payload[:64].lstrip()
-    return FORMAT_JSON if head[:1] == b"{" else FORMAT_PROTO
+    return FORMAT_JSON if payload[:64].lstrip(b" \t\r")[:1] == b"{" else FORMAT_PROTO
 
 
 def is_otlp_json(obj: Any) -> bool:
@@ -71,7 +74,14 @@ def is_otlp_json(obj: Any) -> bool:
 
 def decode(payload: bytes | str, fmt: str | None = None) -> tuple[str, list[SpanGroup]]:
     """Decode one record; `fmt` is the topic's configured format, None to detect it per record."""
-    fmt = fmt or detect_format(payload)
+    if fmt is None:
+        fmt = detect_format(payload)
+        if fmt == FORMAT_PROTO and isinstance(payload, bytes) and payload.lstrip()[:1] == b"{":
+            # A newline before the JSON: protobuf first, as an 0x0A start is more often protobuf.
+            try:
+                return fmt, decode_proto(payload)
+            except RecordError:
+                return FORMAT_JSON, decode_json(payload)
     if fmt == FORMAT_JSON:
         return fmt, decode_json(payload)
     if fmt == FORMAT_PROTO:

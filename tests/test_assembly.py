@@ -198,12 +198,13 @@ def test_late_spans_are_dropped_and_counted_without_holding_their_record(env):
     assert sample(registry, "tracejudge_assembly_late_spans_total") == 1
 
 
-def test_discard_keeps_tickets_unreleased_and_forgets_emitted_ids(env):
+def test_discard_keeps_tickets_unreleased(env):
     clock, registry, asm = env
-    (t1, g1), (_, g2) = traces(2)
+    (t1, g1), (t2, g2) = traces(2)
     asm.add(g1, source_format="otlp_proto")
     clock.now += 2.0
     (done,) = asm.poll()
+    assert done.trace.trace_id == t1
     ticket = CountingTicket("r")
     asm.add(g2[:2], source_format="otlp_proto", ticket=ticket)
     ticket.release()
@@ -212,11 +213,13 @@ def test_discard_keeps_tickets_unreleased_and_forgets_emitted_ids(env):
     assert (asm.open_traces, asm.spans_held) == (0, 0)
     assert sample(registry, "tracejudge_assembly_traces_discarded_total") == 1
     assert sample(registry, "tracejudge_assembly_spans_held") == 0
-    # Re-reading after the discard: trace 1's spans assemble again (its result may not have been
-    # exported), they are not dropped as late.
-    asm.add(g1, source_format="otlp_proto")
+    # Re-reading from the lowest unfinished offset: trace 2 assembles whole; spans of trace 1 (already
+    # emitted, its export finishing on its own) in the re-read records are late, not a partial copy.
+    asm.add(g2 + g1[:1], source_format="otlp_proto")
     clock.now += 2.0
-    assert [o.trace.trace_id for o in asm.poll()] == [t1] and done.trace.trace_id == t1
+    (again,) = asm.poll()
+    assert again.trace.trace_id == t2 and len(again.trace.spans) == 4 and again.trace.complete
+    assert sample(registry, "tracejudge_assembly_late_spans_total") == 1
 
 
 def test_flush_emits_everything_at_end_of_input(env):

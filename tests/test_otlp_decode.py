@@ -116,10 +116,33 @@ def test_status_error_type_and_exception_events():
 
 
 def test_detect_format():
-    assert otlp.detect_format(b'  \n{"resourceSpans": []}') == "otlp_json"
+    assert otlp.detect_format(b' \t{"resourceSpans": []}') == "otlp_json"
     assert otlp.detect_format(b"\x0a\x02") == "otlp_proto"
     assert otlp.detect_format('{"resourceSpans": []}') == "otlp_json"
     assert otlp.is_otlp_json({"resourceSpans": []}) and not otlp.is_otlp_json({"info": {}})
+    # A newline before the JSON still decodes (detection falls back from protobuf to JSON).
+    assert otlp.decode(b'\n{"resourceSpans": []}') == ("otlp_json", [])
+
+
+def test_protobuf_starting_like_newline_brace_is_protobuf():
+    """0x0A 0x7B: field 1 of 123 bytes. Whitespace-stripping detection would call it JSON."""
+    producer = Producer("svc")
+    with producer.tracer.start_as_current_span("s"):
+        pass
+    (span,) = producer.finished()
+    request = encode([span])
+    request.resource_spans[0].scope_spans[0].ClearField("scope")
+    resource = request.resource_spans[0].resource
+    del resource.attributes[:]
+    pad = resource.attributes.add(key="pad")
+    for n in range(200):
+        pad.value.string_value = "x" * n
+        if request.SerializeToString()[:2] == b"\x0a\x7b":
+            break
+    payload = request.SerializeToString()
+    assert payload[:2] == b"\n{"
+    fmt, groups = otlp.decode(payload)
+    assert fmt == "otlp_proto" and groups[0].spans[0].name == "s"
 
 
 def _one_span_json(**span_fields):
