@@ -34,6 +34,9 @@ from pydantic import (
     model_validator,
 )
 
+from tracejudge.metrics.computed import MetricsConfig
+from tracejudge.metrics.judge_config import JudgesConfig
+
 __all__ = [
     "ENV_PREFIX",
     "FORMATS",
@@ -382,6 +385,34 @@ class LoggingSettings(Section):
         return v.upper() if isinstance(v, str) else v
 
 
+class AssemblySection(Section):
+    """`otlp.assembly`: how OTLP spans are held until their trace is whole
+    (`tracejudge.consumer.assembly.AssemblySettings`)."""
+
+    # Emit a trace this long after its last span arrived, once its root span is in.
+    quiet_period_s: float = Field(default=5.0, gt=0)
+    # Emit a trace (incomplete) this long after its first span arrived, root or not.
+    max_wait_s: float = Field(default=60.0, gt=0)
+    max_open_traces: int = Field(default=20_000, gt=0)
+    max_spans_held: int = Field(default=500_000, gt=0)
+    remember_emitted: int = Field(default=100_000, gt=0)
+
+    @model_validator(mode="after")
+    def _coherent(self) -> AssemblySection:
+        if self.max_wait_s < self.quiet_period_s:
+            raise _KeyedError("max_wait_s", f"must be at least quiet_period_s ({self.quiet_period_s})")
+        return self
+
+    def to_settings(self) -> Any:
+        from tracejudge.consumer.assembly import AssemblySettings
+
+        return AssemblySettings(**self.model_dump())
+
+
+class OtlpSettings(Section):
+    assembly: AssemblySection = Field(default_factory=AssemblySection)
+
+
 class Settings(Section):
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     stream: StreamSettings = Field(default_factory=StreamSettings)
@@ -389,19 +420,31 @@ class Settings(Section):
     http: HttpSettings = Field(default_factory=HttpSettings)
     prometheus: PrometheusSettings = Field(default_factory=PrometheusSettings)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
+    otlp: OtlpSettings = Field(default_factory=OtlpSettings)
+    # Computed-metric options and custom metric functions (tracejudge.metrics.computed).
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    # LLM / heuristic judges (tracejudge.metrics.judge_config); no section: no judges run.
+    judges: JudgesConfig | None = None
 
     def redacted(self) -> dict[str, Any]:
         """Effective settings as flat `section.key -> value`, secrets replaced by '**********'."""
         out: dict[str, Any] = {}
 
         def walk(prefix: str, obj: Any) -> None:
+            leaf = prefix.rsplit(".", 1)[-1]
             if isinstance(obj, BaseModel):
                 for name in type(obj).model_fields:
                     walk(f"{prefix}.{name}" if prefix else name, getattr(obj, name))
-            elif isinstance(obj, SecretStr):
+            elif isinstance(obj, dict) and obj:
+                for key, value in obj.items():
+                    walk(f"{prefix}.{key}", value)
+            elif isinstance(obj, SecretStr) or (
+                    isinstance(obj, str) and any(h in leaf for h in (*_SECRET_HINTS, "api_key"))
+                    and not leaf.endswith(("_file", "_env", "_header", "_provider"))):
                 out[prefix] = "**********"
             elif isinstance(obj, list):
-                out[prefix] = [str(x) if isinstance(x, BaseModel) else x for x in obj]
+                out[prefix] = [str(x) if isinstance(x, TopicSpec) else
+                               x.model_dump(mode="json") if isinstance(x, BaseModel) else x for x in obj]
             elif isinstance(obj, Path):
                 out[prefix] = str(obj)
             else:
@@ -454,10 +497,10 @@ def load_settings(config_file: str | os.PathLike[str] | None = None, *,
         if not name.startswith(ENV_PREFIX) or ENV_NESTING not in name:
             continue
         parts = name[len(ENV_PREFIX):].lower().split(ENV_NESTING)
-        if len(parts) != 2 or not all(parts):
+        if len(parts) < 2 or not all(parts):
             problems.append((name, f"expected {ENV_PREFIX}<SECTION>{ENV_NESTING}<KEY>"))
             continue
-        _put(data, origins, (parts[0], parts[1]), value, name)
+        _put(data, origins, tuple(parts), value, name)
 
     for dotted, value in (overrides or {}).items():
         if value is None:
@@ -467,6 +510,10 @@ def load_settings(config_file: str | os.PathLike[str] | None = None, *,
 
     if problems:
         raise ConfigError(problems)
+    # Validate absent sections inside `Settings` too, so their errors carry the section's name.
+    for name, field in Settings.model_fields.items():
+        if field.default_factory is not None:
+            data.setdefault(name, {})
     try:
         return Settings.model_validate(data)
     except ValidationError as exc:

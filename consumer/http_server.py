@@ -107,6 +107,12 @@ class OperationsServer:
         self._thread.start()
         return self
 
+    def __enter__(self) -> OperationsServer:
+        return self if self._httpd is not None else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         httpd, self._httpd = self._httpd, None
         if httpd is not None:

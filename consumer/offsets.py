@@ -16,10 +16,17 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Iterable
+from typing import Protocol
 
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
-__all__ = ["OffsetTracker", "Ticket"]
+__all__ = ["OffsetTracker", "Releasable", "Ticket"]
+
+
+class Releasable(Protocol):
+    """Anything that completes a piece of work with `release()`: a `Ticket`, an assembled trace."""
+
+    def release(self) -> None: ...
 
 
 class _Partition:

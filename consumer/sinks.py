@@ -30,7 +30,7 @@ from typing import Any
 
 from kafka.errors import MessageSizeTooLargeError, RecordListTooLargeError
 
-from tracejudge.consumer.offsets import Ticket
+from tracejudge.consumer.offsets import Releasable
 from tracejudge.metrics.prometheus import PrometheusExporter
 from tracejudge.schemas.result import EvaluationResult, SourceRef
 
@@ -166,7 +166,7 @@ class DeadLetterSink:
         self.max_value_bytes = max(0, max_request_size - _ENVELOPE_BYTES)
         self._log = RateLimitedLog(log)
 
-    def send(self, *, source: SourceRef, reason: str, error: str, ticket: Ticket, value: bytes | None,
+    def send(self, *, source: SourceRef, reason: str, error: str, ticket: Releasable, value: bytes | None,
              key: bytes | None = None, headers: Sequence[Header] = (), timestamp_ms: int | None = None,
              count_record: bool = True) -> None:
         """Dead-letter one record; `ticket` is released when the dead letter is acknowledged."""
@@ -202,7 +202,7 @@ class DeadLetterSink:
             value = None
         self._send(kept + ours, key, value, ticket, where, attempt=0)
 
-    def _send(self, headers: list[Header], key: bytes | None, value: bytes | None, ticket: Ticket,
+    def _send(self, headers: list[Header], key: bytes | None, value: bytes | None, ticket: Releasable,
               where: str, attempt: int) -> None:
         assert self.publisher is not None and self.topic is not None
         publisher, topic = self.publisher, self.topic
@@ -239,7 +239,7 @@ class ResultSink:
         self.dead_letters = dead_letters
         self._log = RateLimitedLog(log)
 
-    def publish(self, result: EvaluationResult, ticket: Ticket) -> None:
+    def publish(self, result: EvaluationResult, ticket: Releasable) -> None:
         """Hands the ticket's reference over: released on the broker's ack (at once without a topic)."""
         if self.topic is None:
             ticket.release()
@@ -254,8 +254,8 @@ class ResultSink:
         ]
         self._send(result.to_json(), key.encode() if key else None, headers, src, ticket, attempt=0)
 
-    def _send(self, value: bytes, key: bytes | None, headers: list[Header], src: SourceRef, ticket: Ticket,
-              attempt: int) -> None:
+    def _send(self, value: bytes, key: bytes | None, headers: list[Header], src: SourceRef,
+              ticket: Releasable, attempt: int) -> None:
         assert self.publisher is not None and self.topic is not None
         publisher, topic, metrics = self.publisher, self.topic, self.metrics
 

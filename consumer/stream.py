@@ -23,6 +23,7 @@ thread and only release tickets. The HTTP server answers scrapes and probes from
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import logging
 import os
@@ -39,15 +40,15 @@ from kafka.structs import TopicPartition
 
 from tracejudge.consumer.config import ConfigError, LoggingSettings, Settings, load_settings
 from tracejudge.consumer.http_server import OperationsServer
-from tracejudge.consumer.offsets import OffsetTracker, Ticket
+from tracejudge.consumer.offsets import OffsetTracker, Releasable, Ticket
 from tracejudge.consumer.pipeline import Pipeline
 from tracejudge.consumer.sinks import PROCESSING_ERROR, DeadLetterSink, Publisher, ResultSink
 from tracejudge.metrics.computed import RATIO_METRICS
 from tracejudge.metrics.prometheus import PrometheusExporter
-from tracejudge.schemas import errors
+from tracejudge.schemas import errors, otlp
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.record import EvalRecord
-from tracejudge.schemas.result import SourceRef
+from tracejudge.schemas.result import Assessment, EvaluationResult, SourceRef
 
 __all__ = ["Emit", "FormatHandler", "RecordProcessor", "StartupError", "StreamRunner", "add_arguments",
            "main"]
@@ -55,11 +56,13 @@ __all__ = ["Emit", "FormatHandler", "RecordProcessor", "StartupError", "StreamRu
 log = logging.getLogger("tracejudge.run")
 
 # Evaluate, export and publish one record; takes over one reference of the ticket.
-Emit = Callable[[EvalRecord, SourceRef, Ticket], None]
+Emit = Callable[[EvalRecord, SourceRef, Releasable], None]
+# Starts the judges on a record; the future gives the assessments (from any thread).
+JudgeHook = Callable[[EvalRecord], "concurrent.futures.Future[list[Assessment]]"]
 
 
 class FormatHandler(Protocol):
-    """Takes over decoding of one format (e.g. OTLP batches that need trace assembly).
+    """Takes over decoding of one format.
 
     Either raise `RecordError` before touching the ticket (the record is dead-lettered), or own the
     ticket's initial reference: `acquire()` once per record to emit, call `emit(record, source, ticket)`
@@ -73,15 +76,66 @@ class StartupError(RuntimeError):
     """The runner could not start (broker unreachable, port taken); the message says what to fix."""
 
 
+class Exports:
+    """Records (or assembled traces) being exported: evaluated, maybe being judged, output not yet
+    acknowledged by the broker. This work finishes by itself, so a revocation or a shutdown waits for
+    it; records parked in trace assembly do not count (they are read again instead). Also the measure
+    of the in-flight cap: assembly bounds its own memory."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._cond = threading.Condition(threading.Lock())
+
+    def start(self, inner: Releasable) -> _Export:
+        with self._cond:
+            self._count += 1
+        return _Export(self, inner)
+
+    def _done(self) -> None:
+        with self._cond:
+            self._count -= 1
+            if self._count == 0:
+                self._cond.notify_all()
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._count == 0, timeout)
+
+
+class _Export:
+    __slots__ = ("_exports", "_inner", "_released")
+
+    def __init__(self, exports: Exports, inner: Releasable) -> None:
+        self._exports = exports
+        self._inner = inner
+        self._released = False
+
+    def release(self) -> None:
+        if self._released:
+            raise RuntimeError("export released twice")
+        self._released = True
+        self._exports._done()
+        self._inner.release()
+
+
 class RecordProcessor:
-    """The per-record path: size check, decode, evaluate, export, publish or dead-letter.
+    """The per-record path: size check, decode, evaluate, judge, export, publish or dead-letter.
 
     Holds no Kafka client, so it runs the same under the poll loop and in property-based tests.
+    `assembler` (a `TraceAssembler`) takes the records of `otlp_proto`/`otlp_json` topics; the poll
+    loop calls `emit_due()` to export the traces it completes. `judge` starts the judges on a record
+    and returns a future; the result is exported and published when it resolves, from whatever
+    thread resolves it.
     """
 
     def __init__(self, pipeline: Pipeline, tracker: OffsetTracker, exporter: PrometheusExporter,
                  results: ResultSink, dead_letters: DeadLetterSink, formats: Mapping[str, str], *,
-                 max_record_bytes: int, handlers: Mapping[str, FormatHandler] | None = None) -> None:
+                 max_record_bytes: int, exports: Exports | None = None, assembler: Any = None,
+                 judge: JudgeHook | None = None, handlers: Mapping[str, FormatHandler] | None = None) -> None:
         self.pipeline = pipeline
         self.tracker = tracker
         self.exporter = exporter
@@ -89,6 +143,9 @@ class RecordProcessor:
         self.dead_letters = dead_letters
         self.formats = dict(formats)
         self.max_record_bytes = max_record_bytes
+        self.exports = exports or Exports()
+        self.assembler = assembler
+        self.judge = judge
         self.handlers = dict(handlers or {})
         self._observe = exporter.processing.observe
 
@@ -99,6 +156,7 @@ class RecordProcessor:
         fmt = self.formats.get(record.topic, "auto")
         source = SourceRef(format=fmt, topic=record.topic, partition=record.partition, offset=record.offset)
         value = record.value
+        handed_off = False
         try:
             if value is None:
                 raise RecordError(errors.INVALID_RECORD, "the record has no value (a tombstone)")
@@ -107,40 +165,124 @@ class RecordProcessor:
                                   f"({self.max_record_bytes}); not parsed")
             handler = self.handlers.get(fmt)
             if handler is not None:
+                handed_off = True
                 handler(value, source, ticket, self.emit)
+            elif fmt in otlp.FORMATS and self.assembler is not None:
+                used, groups = otlp.decode(value, fmt)
+                handed_off = True
+                # The assembler takes one reference per trace the record feeds; ours goes now.
+                forced = self.assembler.add(groups, source_format=used, ticket=ticket)
+                self.exporter.count_ok(record.topic)
+                ticket.release()
+                for trace in forced:
+                    self.emit_assembled(trace)
             else:
                 evaluated = self.pipeline.normalise(value, None if fmt == "auto" else fmt)
                 if fmt == "auto":
                     source.format = evaluated.source_format
+                handed_off = True
                 self.emit(evaluated, source, ticket)
         except RecordError as exc:
-            self._dead_letter(record, source, exc.reason, exc.message, ticket)
+            if handed_off:
+                log.error("%s[%s]@%s: RecordError after its ticket was handed on: %s", record.topic,
+                          record.partition, record.offset, exc)
+            else:
+                self._dead_letter(record, source, exc.reason, exc.message, ticket)
         except Exception as exc:
             # A parser or metric bug: the record is dead-lettered with the traceback logged, the stream
             # goes on.
             log.exception("unexpected error processing %s[%s]@%s", record.topic, record.partition,
                           record.offset)
-            self._dead_letter(record, source, PROCESSING_ERROR, f"{type(exc).__name__}: {exc}", ticket)
+            if not handed_off:
+                self._dead_letter(record, source, PROCESSING_ERROR, f"{type(exc).__name__}: {exc}", ticket)
         finally:
             self._observe(time.perf_counter() - started)
 
-    def emit(self, record: EvalRecord, source: SourceRef, ticket: Ticket) -> None:
-        """Evaluate, export metrics and publish the result; the result's ack releases `ticket`.
+    def emit(self, record: EvalRecord, source: SourceRef, ticket: Releasable, *, count: bool = True) -> None:
+        """Evaluate, judge, export metrics and publish; `ticket` is released when the output is acked.
+        Never raises: a failure to evaluate dead-letters the record's coordinates."""
+        try:
+            result = self.pipeline.evaluate(record, source)
+        except Exception as exc:
+            log.exception("evaluating %s[%s]@%s failed", source.topic, source.partition, source.offset)
+            self.dead_letters.send(source=source, reason=PROCESSING_ERROR, ticket=self.exports.start(ticket),
+                                   error=f"{type(exc).__name__}: {exc}", value=None, count_record=count)
+            return
+        export = self.exports.start(ticket)
+        if self.judge is None:
+            self._finish(result, export, count)
+            return
+        try:
+            future = self.judge(record)
+        except Exception:
+            log.exception("starting the judges on %s[%s]@%s failed; exporting without assessments",
+                          source.topic, source.partition, source.offset)
+            self._finish(result, export, count)
+            return
+        future.add_done_callback(lambda f: self._judged(f, result, export, count))
 
-        Raises only from `evaluate`, before the ticket is used.
-        """
-        result = self.pipeline.evaluate(record, source)
+    def _judged(self, future: concurrent.futures.Future[list[Assessment]], result: EvaluationResult,
+                export: _Export, count: bool) -> None:
+        try:
+            result.assessments.extend(future.result())
+        except Exception:
+            src = result.source
+            log.exception("judging %s[%s]@%s failed; exporting without assessments", src.topic,
+                          src.partition, src.offset)
+        self._finish(result, export, count)
+
+    def _finish(self, result: EvaluationResult, export: _Export, count: bool) -> None:
         try:
             self.exporter.export(result)
         except Exception:  # a metrics bug must not hold the offset back
-            log.exception("exporting metrics of %s[%s]@%s failed", source.topic, source.partition,
-                          source.offset)
-        self.exporter.count_ok(source.topic or "")
-        self.results.publish(result, ticket)
+            src = result.source
+            log.exception("exporting metrics of %s[%s]@%s failed", src.topic, src.partition, src.offset)
+        if count:
+            self.exporter.count_ok(result.source.topic or "")
+        self.results.publish(result, export)
+
+    def emit_assembled(self, trace: Any) -> None:
+        """Export one `AssembledTrace`; its records' tickets are released when its result is acked."""
+        tickets = [t for t in trace.tickets if isinstance(t, Ticket)]
+        first = min(tickets, key=lambda t: (t.tp.partition, t.offset)) if tickets else None
+        source = SourceRef(format=trace.trace.source_format, topic=first.tp.topic if first else None,
+                           partition=first.tp.partition if first else None,
+                           offset=first.offset if first else None)
+        try:
+            record = trace.record()
+        except RecordError as exc:
+            self.dead_letters.send(source=source, reason=exc.reason, error=exc.message, value=None,
+                                   ticket=self.exports.start(trace), count_record=False)
+            return
+        except Exception as exc:
+            log.exception("deriving assembled trace %s failed", trace.trace.trace_id)
+            self.dead_letters.send(source=source, reason=PROCESSING_ERROR, value=None,
+                                   error=f"{type(exc).__name__}: {exc}", ticket=self.exports.start(trace),
+                                   count_record=False)
+            return
+        self.emit(record, source, trace, count=False)
+
+    def emit_due(self) -> int:
+        """Export the traces assembly has finished (quiet period or maximum wait passed)."""
+        assembler = self.assembler
+        if assembler is None:
+            return 0
+        due = assembler.next_due()
+        if due is None or due > time.monotonic():
+            return 0
+        traces = assembler.poll()
+        for trace in traces:
+            self.emit_assembled(trace)
+        return len(traces)
+
+    def discard_assembly(self) -> int:
+        """Drop open traces without releasing their records (revocation, shutdown): read again later."""
+        return self.assembler.discard() if self.assembler is not None else 0
 
     def _dead_letter(self, record: Any, source: SourceRef, reason: str, error: str, ticket: Ticket) -> None:
-        self.dead_letters.send(source=source, reason=reason, error=error, ticket=ticket, value=record.value,
-                               key=record.key, headers=record.headers, timestamp_ms=record.timestamp)
+        self.dead_letters.send(source=source, reason=reason, error=error, ticket=self.exports.start(ticket),
+                               value=record.value, key=record.key, headers=record.headers,
+                               timestamp_ms=record.timestamp)
 
 
 def _describe(tps: Any) -> str:
@@ -179,24 +321,54 @@ class _RebalanceListener(AsyncConsumerRebalanceListener):
                 log.exception("handling lost partitions failed")
 
 
+def build_pipeline(settings: Settings) -> Pipeline:
+    """The pipeline the settings describe (computed-metric options, custom metric functions, app tag)."""
+    from tracejudge.metrics.computed import ComputedMetrics, MetricLoadError
+
+    try:
+        metrics = ComputedMetrics.from_config(settings.metrics)
+    except MetricLoadError as exc:
+        key, _, detail = str(exc).partition(": ")
+        raise ConfigError([(key, detail)]) from None
+    return Pipeline(metrics=metrics, app_tag=settings.stream.app_tag)
+
+
+def build_judges(settings: Settings, exporter: PrometheusExporter) -> Any:
+    """A `JudgeRunner` when the settings have a `judges:` section, registered on the exporter's
+    registry with its app-label limiter; else None."""
+    if settings.judges is None:
+        return None
+    from tracejudge.metrics.judge_config import JudgeConfigError
+    from tracejudge.metrics.judging import JudgeRunner
+
+    try:
+        return JudgeRunner(settings.judges, registry=exporter.registry, app_label=exporter.apps)
+    except JudgeConfigError as exc:
+        raise ConfigError([(exc.key, exc.detail)]) from None
+
+
 class StreamRunner:
     """Runs the consumer until `stop()` (or the `stop_event` given to `run`) is set.
 
     Embeddable: `runner.start()` runs it in a daemon thread; `runner.registry` is the Prometheus
     registry, `runner.exporter` the metric families, `runner.http_port` the bound port of the HTTP
-    endpoint. `handlers` maps a topic format to a `FormatHandler` that takes over its decoding.
+    endpoint once serving. Without `pipeline`/`judges` they are built from the settings (`metrics:`
+    and `judges:` sections); pass `judges=False` to run without judges whatever the settings say.
+    Raises `ConfigError` when a custom metric or a judge cannot be set up.
     """
 
     def __init__(self, settings: Settings, pipeline: Pipeline | None = None, *,
-                 exporter: PrometheusExporter | None = None,
+                 exporter: PrometheusExporter | None = None, judges: Any = None,
                  handlers: Mapping[str, FormatHandler] | None = None) -> None:
         self.settings = settings
-        self.pipeline = pipeline or Pipeline(app_tag=settings.stream.app_tag)
+        self.pipeline = pipeline or build_pipeline(settings)
         ratio = getattr(getattr(self.pipeline, "metrics", None), "ratio_metrics", RATIO_METRICS)
         self.exporter = exporter or PrometheusExporter(max_apps=settings.prometheus.max_apps,
                                                        ratio_metrics=ratio)
         self.registry = self.exporter.registry
+        self.judges = None if judges is False else judges or build_judges(settings, self.exporter)
         self.tracker = OffsetTracker()
+        self.exports = Exports()
         self.exporter.in_flight.set_function(lambda: self.tracker.in_flight)
         self.handlers = dict(handlers or {})
         self.http_port: int | None = None
@@ -206,6 +378,7 @@ class StreamRunner:
         self._consumer: KafkaConsumer | None = None
         self._producer: KafkaProducer | None = None
         self._publisher: Publisher | None = None
+        self._processor: RecordProcessor | None = None
         self._http: OperationsServer | None = None
         self._assigned: frozenset[TopicPartition] = frozenset()
         # Partitions revoked with unfinished records, and where to rewind if they come back to us
@@ -214,7 +387,6 @@ class StreamRunner:
         self._assignment_changed = False
         self._paused_since: float | None = None
         self._closing = False
-        self._started_at: float | None = None
         self._last_loop: float | None = None
         self._thread: threading.Thread | None = None
         self._external_stop: threading.Event | None = None
@@ -232,6 +404,13 @@ class StreamRunner:
         self._thread.start()
         return self._thread
 
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the thread started by `start()`; True once it has ended."""
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def wait_assigned(self, timeout: float) -> bool:
         """Block until partitions are assigned for the first time; True when they are."""
         return self._assigned_event.wait(timeout)
@@ -244,7 +423,6 @@ class StreamRunner:
         """Consume until stopped. Raises `StartupError` when the broker or the port is unusable."""
         s = self.settings
         self._external_stop = stop_event
-        self._started_at = time.monotonic()
         self._log_effective_config()
         try:
             if s.http.enabled:
@@ -257,8 +435,8 @@ class StreamRunner:
                 self.http_port = self._http.port
                 log.info("serving /metrics, /healthz, /readyz on http://%s:%d", s.http.bind_address,
                          self.http_port)
-            processor = self._connect()
-            self._loop(processor)
+            self._processor = self._connect()
+            self._loop(self._processor)
         finally:
             self._shutdown()
 
@@ -283,12 +461,21 @@ class StreamRunner:
                                       max_request_size=s.producer.max_request_size)
         results = ResultSink(publisher, s.stream.results_topic, self.exporter, dead_letters)
         formats = {t.name: t.format for t in s.stream.topics}
+        assembler = None
+        if any(f in otlp.FORMATS for f in formats.values()):
+            from tracejudge.consumer.assembly import TraceAssembler
+            from tracejudge.metrics.assembly_metrics import AssemblyMetrics
+
+            assembler = TraceAssembler(s.otlp.assembly.to_settings(),
+                                       metrics=AssemblyMetrics(registry=self.registry))
         processor = RecordProcessor(self.pipeline, self.tracker, self.exporter, results, dead_letters,
-                                    formats, max_record_bytes=s.stream.max_record_bytes,
+                                    formats, max_record_bytes=s.stream.max_record_bytes, exports=self.exports,
+                                    assembler=assembler, judge=self.judges.submit if self.judges else None,
                                     handlers=self.handlers)
         self._consumer.subscribe(topics=list(formats), listener=_RebalanceListener(self))
-        log.info("subscribed to %s as group %r; waiting for partitions", ", ".join(map(str, s.stream.topics)),
-                 s.kafka.group_id)
+        log.info("subscribed to %s as group %r%s; waiting for partitions",
+                 ", ".join(map(str, s.stream.topics)), s.kafka.group_id,
+                 f" (judges: {', '.join(self.judges.judge_names())})" if self.judges else "")
         return processor
 
     def _loop(self, processor: RecordProcessor) -> None:
@@ -296,7 +483,7 @@ class StreamRunner:
         consumer = self._consumer
         assert consumer is not None
         publisher = self._publisher
-        tracker = self.tracker
+        exports = self.exports
         process = processor.process
         max_in_flight = s.max_in_flight
         max_poll = self.settings.kafka.max_poll_records
@@ -310,7 +497,8 @@ class StreamRunner:
             now = self._last_loop = time.monotonic()
             if publisher is not None:
                 publisher.run_due_retries()
-            room = max_in_flight - tracker.in_flight
+            processor.emit_due()
+            room = max_in_flight - exports.count
             self._backpressure(consumer, paused=room <= 0, now=now)
             batch = consumer.poll(timeout_ms=s.poll_timeout_ms if room > 0 else 20,
                                   max_records=max(1, min(max_poll, room)))
@@ -333,10 +521,9 @@ class StreamRunner:
             if self._paused_since is None:
                 self._paused_since = now
                 self.exporter.backpressure_pauses.inc()
-                log.info("in-flight cap reached (%d records, stream.max_in_flight); pausing fetches",
-                         self.tracker.in_flight)
-            unpaused = consumer.assignment() - consumer.paused()
-            if unpaused:
+                log.info("in-flight cap reached (%d exports, stream.max_in_flight); pausing fetches",
+                         self.exports.count)
+            if consumer.assignment() - consumer.paused():
                 consumer.pause(*consumer.assignment())
         elif self._paused_since is not None or self._assignment_changed:
             if self._paused_since is not None:
@@ -375,54 +562,64 @@ class StreamRunner:
             if position is not None:
                 self.exporter.set_lag(tp.topic, tp.partition, max(0, high - position))
 
+    def _drain(self, deadline: float) -> None:
+        """Until `deadline`: let exports finish (re-sends run here, as the poll loop is not turning)."""
+        while self.exports.count and (left := deadline - time.monotonic()) > 0:
+            if self._publisher is not None:
+                self._publisher.run_due_retries()
+            self.exports.wait_idle(min(0.05, left))
+
     def _shutdown(self) -> None:
         s = self.settings
         consumer, producer = self._consumer, self._producer
         self._stop.set()
         try:
             if consumer is not None:
-                grace = s.stream.shutdown_grace_seconds
-                in_flight = self.tracker.in_flight
-                if in_flight:
-                    log.info("stopping: waiting up to %.1f s (stream.shutdown_grace_seconds) for %d "
-                             "in-flight records", grace, in_flight)
-                deadline = time.monotonic() + grace
                 with _suppress_logged("pausing fetches"):
                     if consumer.assignment():
                         consumer.pause(*consumer.assignment())
-                while self.tracker.in_flight and (left := deadline - time.monotonic()) > 0:
-                    if self._publisher is not None:
-                        self._publisher.run_due_retries()
-                    self.tracker.wait_idle(min(0.05, left))
+                if self._processor is not None and (dropped := self._processor.discard_assembly()):
+                    log.info("stopping: %d traces still assembling are left for re-reading", dropped)
+                if self.exports.count:
+                    log.info("stopping: waiting up to %.1f s (stream.shutdown_grace_seconds) for %d "
+                             "exports in flight", s.stream.shutdown_grace_seconds, self.exports.count)
+                self._drain(time.monotonic() + s.stream.shutdown_grace_seconds)
                 self._commit()
                 unfinished = self.tracker.incomplete()
                 if unfinished:
                     self.exporter.revoked_unfinished.inc(sum(unfinished.values()))
-                    log.warning("stopping with %d records unfinished after the grace period; they will be "
-                                "re-delivered: %s", sum(unfinished.values()), _describe(unfinished))
+                    log.warning("stopping with %d records unfinished; they will be re-delivered: %s",
+                                sum(unfinished.values()), _describe(unfinished))
                 self._closing = True
                 with _suppress_logged("closing the consumer"):
-                    # Runs the listener's on_partitions_revoked (final commit) and leaves the group.
+                    # Runs the listener's on_partitions_revoked (a last commit) and leaves the group.
                     consumer.close(autocommit=False, timeout_ms=s.kafka.commit_timeout_ms)
             if producer is not None:
                 with _suppress_logged("closing the producer"):
                     producer.close(timeout=5)
+            if self.judges is not None:
+                with _suppress_logged("closing the judges"):
+                    self.judges.close()
         finally:
             if self._http is not None:
                 self._http.stop()
                 self._http = None
             log.info("stopped")
 
-    # -- rebalance (kafka IO thread) -----------------------------------------------------------------
+    # -- rebalance (kafka IO thread, while the poll thread is blocked in poll() or close()) ------------
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         consumer = self._consumer
         assert consumer is not None
         tracker = self.tracker
+        processor = self._processor
+        # Traces still assembling would need the poll loop to complete: give them up, their records
+        # are read again by whoever owns the partitions next.
+        dropped = processor.discard_assembly() if processor is not None else 0
         grace = 0.0 if self._closing else self.settings.stream.shutdown_grace_seconds
         deadline = time.monotonic() + grace
-        waited = tracker.in_flight_for(revoked)
-        while tracker.in_flight_for(revoked) and time.monotonic() < deadline:
+        waited = self.exports.count
+        while self.exports.count and time.monotonic() < deadline:
             if self._publisher is not None:
                 self._publisher.run_due_retries()
             await _io_sleep(consumer, 0.01)
@@ -442,16 +639,19 @@ class StreamRunner:
         if unfinished:
             self.exporter.revoked_unfinished.inc(left)
             self._rewind.update(unfinished)
-            log.warning("%d records of revoked partitions unfinished after %.1f s; re-delivered from %s",
-                        left, grace, {f"{tp.topic}[{tp.partition}]": o for tp, o in unfinished.items()})
+            log.warning("%d records of revoked partitions unfinished (%d traces were assembling); "
+                        "re-delivered from %s", left, dropped,
+                        {f"{tp.topic}[{tp.partition}]": o for tp, o in unfinished.items()})
         self._drop_partitions(revoked, "revoked")
         committed = {f"{tp.topic}[{tp.partition}]": om.offset for tp, om in offsets.items()}
-        log.info("partitions revoked: %s (waited for %d in-flight records; committed %s)",
+        log.info("partitions revoked: %s (waited for %d exports; committed %s)",
                  _describe(revoked), waited, committed or "nothing new")
 
     def _on_lost(self, lost: set[TopicPartition]) -> None:
         # The group already gave them to someone else: committing would fail; the new owner re-reads
         # from the last commit.
+        if self._processor is not None:
+            self._processor.discard_assembly()
         left = self.tracker.in_flight_for(lost)
         unfinished = self.tracker.revoke(lost)
         if unfinished:
@@ -625,7 +825,11 @@ def main(args: argparse.Namespace) -> int:
         for key, value in settings.redacted().items():
             print(f"{key} = {json.dumps(value)}")
         return 0
-    runner = StreamRunner(settings)
+    try:
+        runner = StreamRunner(settings)
+    except ConfigError as exc:
+        print(f"tracejudge run: {exc.report()}", file=sys.stderr)
+        return 2
     signals = {"n": 0}
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
