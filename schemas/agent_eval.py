@@ -81,5 +81,5 @@ def normalise_agent_eval(obj: Mapping[str, Any], *, app_tag: str | None = None) 
             trace_obj = orjson.loads(trace_obj)
         except orjson.JSONDecodeError as exc:
             raise RecordError(errors.INVALID_JSON, str(exc), "trace") from None
-    trace = parse_trace(trace_obj, app_tag=app_tag, field="trace")
+    trace = parse_trace(trace_obj, app_tag=app_tag, field="trace", everything=False)
     return merge(stated, derive(trace))

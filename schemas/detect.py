@@ -115,7 +115,7 @@ def normalise(payload: bytes | str | Mapping[str, Any], fmt: str | None = None, 
     kind = detect(obj) if fmt == "auto" else fmt
     try:
         if kind == "mlflow":
-            return derive(parse_trace(obj, app_tag=app_tag))
+            return derive(parse_trace(obj, app_tag=app_tag, everything=False))
         if kind == "inference_log":
             return normalise_row(obj, app_tag=app_tag)
         return normalise_agent_eval(obj, app_tag=app_tag)

@@ -118,7 +118,8 @@ def normalise_row(obj: Mapping[str, Any], *, app_tag: str | None = None) -> Eval
             raise RecordError(errors.INVALID_JSON, str(exc), "response.databricks_output.trace") from None
     trace = None
     if trace_obj is not None:
-        trace = parse_trace(trace_obj, app_tag=app_tag, field="response.databricks_output.trace")
+        trace = parse_trace(trace_obj, app_tag=app_tag, field="response.databricks_output.trace",
+                            everything=False)
         if endpoint is None:
             endpoint = trace.metadata.get("mlflow.databricks.modelServingEndpointName")
 

@@ -17,7 +17,6 @@ records.
 
 from __future__ import annotations
 
-import base64
 import binascii
 from datetime import UTC, datetime
 from typing import Annotated, Any
@@ -73,11 +72,13 @@ def hex_id(value: Any, size: int = 8) -> str:
     exactly 2*size hex digits is hex, anything else must be base64.
     """
     if isinstance(value, str):
-        text = value[2:] if value.startswith("0x") else value
+        text = value
         if len(text) == 2 * size and _HEX.issuperset(text):
             return text.lower()
+        if len(text) == 2 * size + 2 and text.startswith("0x") and _HEX.issuperset(text[2:]):
+            return text[2:].lower()
         try:
-            raw = base64.b64decode(text, validate=True)
+            raw = binascii.a2b_base64(text, strict_mode=True)
         except (binascii.Error, ValueError):
             raw = b""
         if raw:

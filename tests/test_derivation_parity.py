@@ -19,8 +19,8 @@ from mlflow.entities import Trace as MlflowTrace
 from mlflow.entities.trace_state import TraceState
 from mlflow.genai.utils import trace_utils
 from mlflow.tracing.utils import aggregate_usage_from_spans
+from support import mlflow_apps
 
-from tests.support import mlflow_apps
 from tracejudge.schemas.detect import normalise
 from tracejudge.schemas.record import EvalRecord
 

@@ -224,6 +224,27 @@ def single_turn_chat(messages: list[dict[str, str]]) -> dict[str, Any]:
     return chat_model(messages, "A topic is a named log.")
 
 
+@mlflow.trace(span_type=SpanType.AGENT)
+def tagged_agent(question: str) -> str:
+    """Trace tags, a client request id, a session and a user, set the way an app sets them."""
+    mlflow.update_current_trace(tags={"service": "checkout", "team": "payments"}, client_request_id="client-42",
+                                session_id="sess-1", user="user-9")
+    return "Tagged answer."
+
+
+def with_expectations(trace_json: str, **expectations: Any) -> str:
+    """The trace with expectation assessments attached, serialised by MLflow itself (the shape
+    `mlflow.log_expectation` stores and `mlflow.get_trace` returns)."""
+    from mlflow.entities import AssessmentSource, Expectation
+    from mlflow.entities import Trace as MlflowTrace
+
+    trace = MlflowTrace.from_json(trace_json)
+    source = AssessmentSource(source_type="HUMAN", source_id="reviewer")
+    trace.info.assessments = [Expectation(name=name, value=value, source=source)
+                              for name, value in expectations.items()]
+    return trace.to_json()
+
+
 # apps where tracejudge deliberately differs from MLflow (see the README section of that name)
 
 
@@ -267,6 +288,7 @@ APPS: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {
     "wrapper_llm": (wrapper_llm_agent, ("What is an offset?",)),
     "failing": (failing_agent, ("Will this fail?",)),
     "chat_completion": (chat_completion_app, ("How do I share partitions?",)),
+    "tagged": (tagged_agent, ("Who am I?",)),
     "plain_text": (plain_text_app, ("What is a consumer group?",)),
     "single_turn": (single_turn_chat, ([{"role": "user", "content": "What is a topic?"}],)),
     "responses": (responses_agent, ({"input": [{"role": "user", "content": "Are partitions ordered?"}]},)),
