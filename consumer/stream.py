@@ -372,6 +372,7 @@ class StreamRunner:
         self.exporter.in_flight.set_function(lambda: self.tracker.in_flight)
         self.handlers = dict(handlers or {})
         self.http_port: int | None = None
+        self.error: BaseException | None = None
 
         self._stop = threading.Event()
         self._assigned_event = threading.Event()
@@ -399,8 +400,17 @@ class StreamRunner:
         self._stop.set()
 
     def start(self) -> threading.Thread:
-        """Run in a daemon thread (for embedding: the demo, tests). Join it after `stop()`."""
-        self._thread = threading.Thread(target=self.run, name="tracejudge-run", daemon=True)
+        """Run in a daemon thread (for embedding: the demo, tests). Join it after `stop()`; an exception
+        that ended it (e.g. `StartupError`) is kept in `.error`."""
+
+        def target() -> None:
+            try:
+                self.run()
+            except BaseException as exc:
+                self.error = exc
+                log.error("tracejudge run stopped on %s: %s", type(exc).__name__, exc)
+
+        self._thread = threading.Thread(target=target, name="tracejudge-run", daemon=True)
         self._thread.start()
         return self._thread
 

@@ -18,7 +18,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tracejudge.consumer.broker import LocalBroker, free_port
 from tracejudge.consumer.config import Settings, load_settings
+from tracejudge.consumer.stream import StreamRunner
 
 T = TypeVar("T")
 
@@ -96,7 +98,7 @@ def produce(bootstrap: str, topic: str, values: Iterable[bytes], *, keys: Iterab
 
 def read_topic(bootstrap: str, topic: str, *, at_least: int, timeout: float = 30.0) -> list[Any]:
     """Every record of `topic` from the beginning (no group): waits for at least `at_least` of them,
-    then reads on to the end offsets, so extra (duplicate) records are seen too."""
+    then reads on to the high watermarks, so extra (duplicate) records are seen too."""
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
                              auto_offset_reset="earliest", group_id=None)
     records: list[Any] = []
@@ -114,8 +116,10 @@ def read_topic(bootstrap: str, topic: str, *, at_least: int, timeout: float = 30
                 records.extend(batch)
             if len(records) < at_least:
                 return False
-            ends = consumer.end_offsets(tps)
-            return all(consumer.position(tp) >= ends[tp] for tp in tps)
+            # Tansu answers ListOffsets(latest) with the last batch's base offset + 1, not the high
+            # watermark, so `end_offsets()` is wrong there; fetch responses carry the real one.
+            highs = [consumer.highwater(tp) for tp in tps]
+            return all(h is not None and consumer.position(tp) >= h for tp, h in zip(tps, highs, strict=True))
 
         wait_until(complete, timeout, interval=0.0,
                    message=lambda: f"{at_least} records on {topic}, have {len(records)}")
@@ -124,12 +128,18 @@ def read_topic(bootstrap: str, topic: str, *, at_least: int, timeout: float = 30
         consumer.close()
 
 
-def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
+def ends(placed: Iterable[tuple[int, int]]) -> dict[int, int]:
+    """The next offset to read per partition, from the (partition, offset) pairs `produce` returned."""
+    out: dict[int, int] = {}
+    for partition, offset in placed:
+        out[partition] = max(out.get(partition, 0), offset + 1)
+    return out
+
+
+def partition_count(bootstrap: str, topic: str) -> int:
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None)
     try:
-        partitions = consumer.partitions_for_topic(topic) or set()
-        ends = consumer.end_offsets([TopicPartition(topic, p) for p in partitions])
-        return {tp.partition: offset for tp, offset in ends.items()}
+        return len(wait_until(lambda: consumer.partitions_for_topic(topic), 30, message=f"{topic} exists"))
     finally:
         consumer.close()
 
@@ -151,6 +161,31 @@ def settings(bootstrap: str, topics: Sequence[str], **overrides: Any) -> Setting
                               "http.port": 0, "http.bind_address": "127.0.0.1", **FAST_GROUP}
     values.update({k.replace("__", "."): v for k, v in overrides.items()})
     return load_settings(environ={}, overrides=values)
+
+
+@contextmanager
+def running(settings: Settings, **kwargs: Any) -> Iterator[StreamRunner]:
+    """A `StreamRunner` in a thread; stopped (and joined) on exit, failing the test if it crashed."""
+    runner = StreamRunner(settings, **kwargs)
+    runner.start()
+    try:
+        wait_until(lambda: runner.http_port is not None or runner.error is not None, 30,
+                   message="the runner serves /metrics")
+        if runner.error is not None:
+            raise AssertionError(f"the runner failed to start: {runner.error!r}")
+        yield runner
+    finally:
+        runner.stop()
+        assert runner.join(60), "the runner did not stop within 60 s"
+    if runner.error is not None:
+        raise AssertionError(f"the runner crashed: {runner.error!r}") from runner.error
+
+
+def assigned(*runners: StreamRunner, partitions: int) -> bool:
+    """The runners hold disjoint assignments covering `partitions` partitions (a settled group)."""
+    sets = [r.assignment for r in runners]
+    union = frozenset().union(*sets)
+    return len(union) == partitions == sum(len(s) for s in sets) and all(sets)
 
 
 # -- Prometheus -----------------------------------------------------------------------------------
