@@ -239,15 +239,13 @@ def _str_map(value: dict[str, Any] | None) -> dict[str, str]:
 
 def _duration_ms(info: Mapping[str, Any], v2: bool) -> float | None:
     value = info.get("execution_time_ms" if v2 else "execution_duration_ms")
+    wire = None if v2 else info.get("execution_duration")
+    if wire is not None and type(wire) is not str:
+        raise _Malformed
     if value is not None:
         return float(as_int(value))
-    if v2:
-        return None
-    wire = info.get("execution_duration")
     if wire is None:
         return None
-    if type(wire) is not str:
-        raise _Malformed
     if wire.endswith("s"):  # the REST wire form, a proto Duration: "0.026s"
         try:
             return float(wire[:-1]) * 1000.0
@@ -295,10 +293,6 @@ def _trace_id(value: str) -> str:
 
 def _app(info: Mapping[str, Any], tags: dict[str, str], metadata: dict[str, str],
          app_tag: str | None, v2: bool) -> str | None:
-    if app_tag:
-        value = tags.get(app_tag) or metadata.get(app_tag)
-        if value:
-            return value
     if v2:
         experiment = _optional(info, "experiment_id", str)
     else:
@@ -309,6 +303,10 @@ def _app(info: Mapping[str, Any], tags: dict[str, str], metadata: dict[str, str]
             mlflow_experiment = _optional(location, "mlflow_experiment", dict)
             if mlflow_experiment is not None:
                 experiment = _optional(mlflow_experiment, "experiment_id", str)
+    if app_tag:
+        value = tags.get(app_tag) or metadata.get(app_tag)
+        if value:
+            return value
     return f"{APP_PREFIX}{experiment}" if experiment else None
 
 

@@ -1,0 +1,272 @@
+"""Bad input gives a `RecordError` that names what is wrong and where; nothing else escapes.
+
+Also: the MLflow trace parser's inline checks and the pydantic schemas (`tracejudge.schemas.inputs`,
+the documented source of truth) accept and reject exactly the same traces, checked on real traces
+(mlflow 3.17 and 2.22) mutated at random.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support import mlflow_apps
+
+from tracejudge.schemas.detect import normalise
+from tracejudge.schemas.errors import REASONS, RecordError
+from tracejudge.schemas.inputs import MlflowTraceV2, MlflowTraceV3, ValidationError
+from tracejudge.schemas.mlflow import parse_trace
+from tracejudge.schemas.record import EvalRecord
+
+MLFLOW2 = pathlib.Path(__file__).parent / "fixtures" / "mlflow2" / "traces.jsonl"
+
+V3_RAG = json.loads(mlflow_apps.run("rag"))
+V3_TOOLS = json.loads(mlflow_apps.run("tools"))
+V2_TOOLS = json.loads(next(json.loads(line)["trace"] for line in MLFLOW2.read_text().splitlines()
+                           if json.loads(line)["app"] == "tools"))
+AGENT_EVAL = {"request_id": "r1", "request": {"messages": [{"role": "user", "content": "q"}]},
+              "response": "a", "retrieved_context": [{"content": "c", "doc_uri": "u"}],
+              "expected_facts": ["f"], "reference_trajectory": [{"tool_name": "t", "tool_input": {"x": 1}}],
+              "trace": V3_RAG}
+INFERENCE_ROW = {"databricks_request_id": "d1", "status_code": 200, "execution_duration_ms": 10,
+                 "request_time": "2026-11-22T10:00:00Z", "served_entity_id": "e",
+                 "request": json.dumps({"messages": [{"role": "user", "content": "q"}]}),
+                 "response": json.dumps({"choices": [{"message": {"role": "assistant", "content": "a"}}],
+                                         "databricks_output": {"trace": V3_RAG}})}
+
+
+def _error(payload: Any, fmt: str | None = None) -> RecordError:
+    with pytest.raises(RecordError) as err:
+        normalise(payload, fmt)
+    return err.value
+
+
+# --------------------------------------------------------------------------------------------
+# clear errors
+
+
+@pytest.mark.parametrize(("payload", "reason", "detail"), [
+    (b"", "invalid_json", "Input is a zero-length, empty document at line 1 column 1"),
+    (b'{"request": "q"', "invalid_json", None),
+    (b'\xff{"request": "q"}', "not_utf8", "not valid UTF-8 at byte 0"),
+    (b"[1, 2]", "invalid_record", "a record must be a JSON object, got an array"),
+    (b'"text"', "invalid_record", "a record must be a JSON object, got a string"),
+    (b'{"foo": 1, "bar": 2}', "unknown_format",
+     "not an MLflow trace, inference-log row or agent-evaluation record (keys: bar, foo)"),
+])
+def test_undecodable_records(payload: bytes, reason: str, detail: str | None) -> None:
+    err = _error(payload)
+    assert err.reason == reason and err.field is None
+    if detail is not None:
+        assert err.detail == detail
+
+
+def test_otlp_export_request_is_pointed_at_the_span_formats() -> None:
+    err = _error({"resourceSpans": []})
+    assert err.reason == "unknown_format" and "--format otlp_json" in err.detail
+    assert _error({"request": "q"}, "otlp_json").reason == "unknown_format"
+    with pytest.raises(ValueError, match="unknown format 'csv'"):
+        normalise({"request": "q"}, "csv")
+
+
+def test_python_nan_is_read() -> None:
+    """Python producers (`json.dumps`) write NaN, which is not JSON; the record is still read."""
+    assert normalise(b'{"request": "q", "response": "a", "score": NaN}').response == "a"
+
+
+def _mutate(doc: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, Any]:
+    doc = copy.deepcopy(doc)
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    if value is _DELETE:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return doc
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize(("base", "path", "value", "field", "detail"), [
+    (V3_RAG, ("data", "spans", 2, "start_time_unix_nano"), "abc",
+     "data.spans[2].start_time_unix_nano", 'expected an integer, got "abc"'),
+    (V3_RAG, ("data", "spans", 1, "span_id"), "not an id!", "data.spans[1].span_id",
+     'expected a hex or base64 id, got "not an id!"'),
+    (V3_RAG, ("data", "spans", 0, "name"), _DELETE, "data.spans[0].name", "required field is missing"),
+    (V3_RAG, ("data", "spans", 0, "attributes"), ["x"], "data.spans[0].attributes",
+     'expected an object, got ["x"]'),
+    (V3_RAG, ("data", "spans", 0, "events"), [{"time_unix_nano": 1}], "data.spans[0].events[0].name",
+     "required field is missing"),
+    (V3_RAG, ("data", "spans"), {"0": {}}, "data.spans", 'expected a list, got {"0":{}}'),
+    (V3_RAG, ("info", "trace_id"), 7, "info.trace_id", "expected a string, got 7"),
+    (V3_RAG, ("info", "request_time"), "noon", "info.request_time",
+     'expected an RFC 3339 time or epoch milliseconds, got "noon"'),
+    (V3_RAG, ("info", "trace_location", "mlflow_experiment"), "1", "info.trace_location.mlflow_experiment",
+     'expected an object, got "1"'),
+    (V3_RAG, ("data",), _DELETE, "data", "required field is missing"),
+    (V2_TOOLS, ("data", "spans", 1, "context"), _DELETE, "data.spans[1].context",
+     "required field is missing"),
+    (V2_TOOLS, ("data", "spans", 1, "start_time"), 1.5, "data.spans[1].start_time",
+     "expected an integer, got 1.5"),
+    (V2_TOOLS, ("info", "status"), 1, "info.status", "expected a string, got 1"),
+])
+def test_bad_mlflow_trace_names_the_field(base: dict[str, Any], path: tuple[Any, ...], value: Any,
+                                          field: str, detail: str) -> None:
+    err = _error(_mutate(base, path, value))
+    assert (err.reason, err.field, err.detail) == ("invalid_record", field, detail)
+    assert err.message == f"{field}: {detail}"
+
+
+@pytest.mark.parametrize(("path", "value", "field", "detail"), [
+    (("request",), 5, "request", "expected a string or an object, got 5"),
+    (("request", "messages", 0, "role"), _DELETE, "request.messages[0].role", "required field is missing"),
+    (("request", "messages"), [], "request.messages", "must not be empty, got []"),
+    (("retrieved_context", 0, "content"), 3, "retrieved_context[0].content", "expected a string, got 3"),
+    (("expected_facts",), "one fact", "expected_facts", 'expected a list, got "one fact"'),
+    (("reference_trajectory", 0, "tool_name"), None, "reference_trajectory[0].tool_name",
+     "expected a string, got null"),
+    (("trace",), "{not json", "trace", None),
+    (("trace", "data", "spans", 1, "end_time_unix_nano"), "later", "trace.data.spans[1].end_time_unix_nano",
+     'expected an integer, got "later"'),
+])
+def test_bad_agent_eval_record_names_the_field(path: tuple[Any, ...], value: Any, field: str,
+                                               detail: str | None) -> None:
+    err = _error(_mutate(AGENT_EVAL, path, value))
+    assert err.field == field
+    if detail is None:
+        assert err.reason == "invalid_json"
+    else:
+        assert (err.reason, err.detail) == ("invalid_record", detail)
+
+
+def test_explicit_format_that_does_not_fit() -> None:
+    err = _error({"request": "q"}, "mlflow")
+    assert (err.field, err.detail) == ("info", "required field is missing")
+
+
+# --------------------------------------------------------------------------------------------
+# nothing but EvalRecord or RecordError, whatever comes in
+
+_LEAVES = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**66), 2**66), st.floats(allow_nan=True),
+    st.text(max_size=12),
+    st.sampled_from(["", "abc", "123", " 42 ", "-7", "0x1f", "AAAAAAAAAAA=", "0xBRIvI26L8=",
+                     "a795c45134ad7ba0", "STATUS_CODE_ERROR", "OK", "2026-11-22T00:00:00Z",
+                     "2026-11-22 00:00:00", "{}", "[]",
+                     '"RETRIEVER"', '"TOOL"', "null", '{"input_tokens": "x"}', "0.5s"]),
+)
+_JSON = st.recursive(_LEAVES, lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
+
+
+def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield (*prefix, key)
+            yield from _paths(value, (*prefix, key))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield (*prefix, i)
+            yield from _paths(value, (*prefix, i))
+
+
+@st.composite
+def _mutated(draw: st.DrawFn, base: dict[str, Any]) -> dict[str, Any]:
+    doc = base
+    for _ in range(draw(st.integers(1, 3))):
+        paths = list(_paths(doc))
+        path = draw(st.sampled_from(paths))
+        action = draw(st.sampled_from(["replace", "replace", "delete", "add"]))
+        if action == "add":
+            parent = _get(doc, path[:-1])
+            if isinstance(parent, dict):
+                doc = _mutate(doc, (*path[:-1], draw(st.text(max_size=6))), draw(_JSON))
+                continue
+            action = "replace"
+        if action == "delete" and isinstance(_get(doc, path[:-1]), dict):
+            doc = _mutate(doc, path, _DELETE)
+        else:
+            doc = _mutate(doc, path, draw(_JSON))
+    return doc
+
+
+def _get(doc: Any, path: tuple[Any, ...]) -> Any:
+    for key in path:
+        doc = doc[key]
+    return doc
+
+
+def _outcome(payload: Any) -> EvalRecord | RecordError:
+    try:
+        return normalise(payload)
+    except RecordError as err:
+        assert err.reason in REASONS
+        assert err.detail and len(err.detail) <= 300
+        return err
+
+
+def _dumps(value: Any) -> bytes:
+    # Python's encoder, as a Python producer would: it writes NaN and integers beyond 64 bits.
+    return json.dumps(value).encode()
+
+
+_FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@_FUZZ
+@given(st.binary(max_size=300))
+def test_arbitrary_bytes(payload: bytes) -> None:
+    _outcome(payload)
+
+
+@_FUZZ
+@given(_JSON)
+def test_arbitrary_json(value: Any) -> None:
+    _outcome(_dumps(value))
+    if isinstance(value, dict):
+        _outcome(value)
+
+
+@_FUZZ
+@given(st.sampled_from([V3_RAG, V3_TOOLS, V2_TOOLS, AGENT_EVAL, INFERENCE_ROW]).flatmap(_mutated))
+def test_mutated_records(record: dict[str, Any]) -> None:
+    assert isinstance(_outcome(record), EvalRecord | RecordError)
+    assert isinstance(_outcome(_dumps(record)), EvalRecord | RecordError)
+
+
+def _schema_accepts(doc: dict[str, Any]) -> bool:
+    info = doc.get("info")
+    v2 = isinstance(info, dict) and "request_id" in info and "trace_id" not in info
+    try:
+        (MlflowTraceV2 if v2 else MlflowTraceV3).model_validate(doc)
+    except ValidationError:
+        return False
+    return True
+
+
+def _parser_accepts(doc: dict[str, Any]) -> bool:
+    try:
+        parse_trace(doc, everything=False)
+    except RecordError as err:
+        assert err.field is not None or err.detail  # always says something
+        return False
+    return True
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from([V3_RAG, V3_TOOLS, V2_TOOLS]).flatmap(_mutated))
+def test_parser_and_schema_agree_on_what_is_valid(doc: dict[str, Any]) -> None:
+    assert _parser_accepts(doc) == _schema_accepts(doc)
+
+
+def test_real_traces_are_valid_under_both() -> None:
+    for doc in (V3_RAG, V3_TOOLS, V2_TOOLS):
+        assert _parser_accepts(doc) and _schema_accepts(doc)
