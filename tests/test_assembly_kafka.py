@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import signal
 
-from kafka import KafkaProducer
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from support.kafka import (  # noqa: F401 - `broker` is the session fixture
     RunnerProcess,
     broker,
@@ -166,3 +166,52 @@ def test_crash_in_the_middle_of_assembly_loses_no_trace(broker):  # noqa: F811
         assert restarted.finish(60) == 0
     finally:
         restarted.kill()
+
+
+def test_rebalance_mid_assembly_reads_the_held_records_again(broker):  # noqa: F811
+    """A rebalance revokes every partition (eager assignors): traces still assembling are dropped
+    unreleased, and when the partition comes back to the same runner it seeks back to their records
+    (kafka-python would otherwise resume at its in-memory position and skip them)."""
+    bootstrap = broker.bootstrap_servers
+    topic, results, group = unique("otlp-rb"), unique("otlp-rb-results"), unique("otlp-rb-group")
+    producer = Producer("geo-agent")
+    held = [genai_trace(producer.tracer, f"held {i}?", f"held answer {i}.") for i in range(2)]
+    spans = producer.finished()
+    children = [v for _, v in kafka_messages([s for s in spans if s.parent is not None], per_message=3)]
+    roots = [v for _, v in kafka_messages([s for s in spans if s.parent is None], per_message=1)]
+    offsets = produce_to_partition_0(bootstrap, topic, children)
+
+    runner = StreamRunner(settings(bootstrap, [f"{topic}:otlp_proto"], kafka__group_id=group,
+                                   stream__results_topic=results, stream__commit_interval_ms=100,
+                                   otlp__assembly__quiet_period_s=0.3), judges=False)
+    registry = runner.registry
+    runner.start()
+    intruder = None
+    try:
+        wait_until(lambda: registry.get_sample_value("tracejudge_assembly_open_traces") == len(held), 60,
+                   message="held traces open")
+        # Another member joins: the group rebalances and every partition is revoked. The range assignor
+        # orders members by id (client id first): the runner ("tracejudge-…") gets partition 0 back.
+        intruder = KafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=group, client_id="zz-intruder",
+                                 enable_auto_commit=False, session_timeout_ms=6000,
+                                 heartbeat_interval_ms=1000)
+        wait_until(lambda: intruder.poll(timeout_ms=100) is not None and intruder.assignment(), 60,
+                   interval=0.0, message="the second member's assignment")
+        assert TopicPartition(topic, 0) not in intruder.assignment()
+        wait_until(lambda: registry.get_sample_value("tracejudge_assembly_traces_discarded_total") == 2
+                   and registry.get_sample_value("tracejudge_assembly_open_traces") == len(held), 60,
+                   message="held traces dropped at the revocation and read again")
+        offsets += produce_to_partition_0(bootstrap, topic, roots)
+        got = results_by_trace(bootstrap, results, at_least=len(held))
+        assert {t: len(r) for t, r in got.items()} == {r.trace_id: 1 for r in held}
+        for rec in held:
+            (result,) = got[rec.trace_id]
+            assert result["complete"] is True
+            assert result["trajectory"] == [{"tool_name": rec.tool, "tool_input": rec.tool_args}]
+        wait_until(lambda: all_committed(bootstrap, group, topic, [(0, o) for o in offsets]), 30,
+                   interval=0.2, message="all offsets committed")
+    finally:
+        if intruder is not None:
+            intruder.close(autocommit=False)
+        runner.stop()
+        assert runner.join(60)
