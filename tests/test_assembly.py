@@ -290,3 +290,21 @@ def test_otlp_json_lines_for_eval():
     again = OtlpLineAssembler()
     again.feed(json.loads(to_otlp_json(encode(spans))), 1)
     assert len(again.finish()) == 3
+
+
+def test_assembly_metrics_pass_promtool_lint(env):
+    import subprocess
+
+    from prometheus_client import generate_latest
+    from support.deploy_files import tool
+
+    clock, registry, asm = env
+    ((_, groups),) = traces(1)
+    asm.add(groups, source_format="otlp_proto")
+    clock.now += 2
+    asm.poll()
+    text = generate_latest(registry)
+    assert b'tracejudge_assembly_traces_emitted_total{reason="complete"} 1.0' in text
+    proc = subprocess.run([tool("promtool"), "check", "metrics"], input=text, capture_output=True, timeout=30,
+                          check=False)
+    assert proc.returncode == 0 and not proc.stdout.strip(), proc.stdout + proc.stderr
