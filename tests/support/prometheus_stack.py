@@ -209,6 +209,8 @@ class PrometheusServer(_Server):
                 f"--config.file={self.config_path}",
                 f"--storage.tsdb.path={self.workdir / 'data'}",
                 f"--web.listen-address={self.address}",
+                # Alerts link back here (generatorURL), not to the machine's hostname.
+                f"--web.external-url={self.url}/",
                 "--enable-feature=exemplar-storage",
                 # Alerts go out at once and are re-sent often, so a test sees them within seconds.
                 "--rules.alert.resend-delay=1s"]
