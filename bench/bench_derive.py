@@ -28,11 +28,11 @@ import time
 from collections.abc import Callable
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import corpus  # noqa: E402
-from mlflow.entities import Trace  # noqa: E402
-from mlflow.genai.utils import trace_utils  # noqa: E402
+import corpus
+from mlflow.entities import Trace
+from mlflow.genai.utils import trace_utils
 
-from tracejudge.schemas.detect import normalise  # noqa: E402
+from tracejudge.schemas.detect import normalise
 
 
 def tracejudge_derive(payload: bytes) -> object:

@@ -23,12 +23,13 @@ from mlflow.entities import Document, SpanType
 
 # The capture helper lives with the tests; the corpus reuses it so both see MLflow's own traces.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-from support.mlflow_apps import capture  # noqa: E402
+from support.mlflow_apps import capture
 
-WORDS = ("consumer group partition offset broker topic replica leader lag commit rebalance retention "
-         "segment compaction producer batch linger acknowledgement idempotent transaction schema "
-         "registry serializer trace span latency token retrieval context answer question model "
-         "evaluation judge threshold metric histogram gauge counter alert dashboard").split()
+WORDS = ("consumer", "group", "partition", "offset", "broker", "topic", "replica", "leader", "lag", "commit",
+         "rebalance", "retention", "segment", "compaction", "producer", "batch", "linger", "acknowledgement",
+         "idempotent", "transaction", "schema", "registry", "serializer", "trace", "span", "latency",
+         "token", "retrieval", "context", "answer", "question", "model", "evaluation", "judge", "threshold",
+         "metric", "histogram", "gauge", "counter", "alert", "dashboard")
 TOOLS = ("search_tickets", "get_order", "lookup_customer", "create_refund", "check_inventory", "get_weather")
 
 

@@ -12,6 +12,7 @@ Every app is a plain function taking the question; `APPS` maps a name to it. `ru
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -27,14 +28,17 @@ _LOCK = threading.Lock()
 
 
 @contextmanager
-def capture(experiment_id: str = EXPERIMENT_ID) -> Iterator[list[str]]:
-    """Route MLflow tracing into the yielded list (one `Trace.to_json()` per finished trace)."""
+def capture(experiment_id: str = EXPERIMENT_ID, seed: int | None = None) -> Iterator[list[str]]:
+    """Route MLflow tracing into the yielded list (one `Trace.to_json()` per finished trace).
+
+    With a `seed`, trace and span ids repeat from run to run (timestamps still differ)."""
     from mlflow.entities.trace_location import MlflowExperimentLocation
     from mlflow.tracing.processor.mlflow_v3 import MlflowV3SpanProcessor
     from mlflow.tracing.provider import _MLFLOW_TRACE_USER_DESTINATION, provider
     from mlflow.tracing.trace_manager import InMemoryTraceManager
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+    from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 
     sink: list[str] = []
 
@@ -50,7 +54,19 @@ def capture(experiment_id: str = EXPERIMENT_ID) -> Iterator[list[str]]:
         # What `mlflow.tracing.set_destination(MlflowExperimentLocation(...))` records, without
         # its re-initialisation of the tracer provider (which would point at a tracking store).
         _MLFLOW_TRACE_USER_DESTINATION.set(MlflowExperimentLocation(experiment_id))
-        tracer_provider = TracerProvider()
+        ids: IdGenerator = RandomIdGenerator()
+        if seed is not None:
+            rng = random.Random(seed)
+
+            class SeededIds(IdGenerator):
+                def generate_span_id(self) -> int:
+                    return rng.getrandbits(64) or 1
+
+                def generate_trace_id(self) -> int:
+                    return rng.getrandbits(128) or 1
+
+            ids = SeededIds()
+        tracer_provider = TracerProvider(id_generator=ids)
         tracer_provider.add_span_processor(MlflowV3SpanProcessor(CapturingExporter(), export_metrics=False))
         # Mark MLflow's lazy set-up as done so it keeps this provider (no tracking store behind it).
         provider.once.do_once(lambda: None)
@@ -227,8 +243,8 @@ def single_turn_chat(messages: list[dict[str, str]]) -> dict[str, Any]:
 @mlflow.trace(span_type=SpanType.AGENT)
 def tagged_agent(question: str) -> str:
     """Trace tags, a client request id, a session and a user, set the way an app sets them."""
-    mlflow.update_current_trace(tags={"service": "checkout", "team": "payments"}, client_request_id="client-42",
-                                session_id="sess-1", user="user-9")
+    mlflow.update_current_trace(tags={"service": "checkout", "team": "payments"},
+                                client_request_id="client-42", session_id="sess-1", user="user-9")
     return "Tagged answer."
 
 
@@ -321,12 +337,12 @@ def run(name: str) -> str:
     return traces[0]
 
 
-def run_all(names: Sequence[str] | None = None) -> dict[str, str]:
+def run_all(names: Sequence[str] | None = None, seed: int | None = None) -> dict[str, str]:
     """{app name: trace JSON} for the named apps (all of them by default), in one capture."""
     table = {**APPS, **DIFFERING_APPS}
     names = list(names) if names is not None else list(table)
     out: dict[str, str] = {}
-    with capture() as traces:
+    with capture(seed=seed) as traces:
         for name in names:
             app, args = table[name]
             call(app, args)
