@@ -126,8 +126,9 @@ class TraceAssembler:
 
     def __init__(self, settings: AssemblySettings | None = None, *,
                  clock: Callable[[], float] = time.monotonic,
-                 metrics: AssemblyMetrics | None = None) -> None:
+                 metrics: AssemblyMetrics | None = None, app_tag: str | None = None) -> None:
         self.settings = (settings or AssemblySettings()).validate()
+        self.app_tag = app_tag
         self._clock = clock
         self._metrics = metrics
         # Insertion order = first arrival: the front is the oldest (max-wait and eviction order).
@@ -257,7 +258,8 @@ class TraceAssembler:
         if len(self._emitted) > self.settings.remember_emitted:
             del self._emitted[next(iter(self._emitted))]
         trace = otlp.build_trace(trace_id, entry.spans, source_format=entry.source_format,
-                                 app=entry.app if entry.has_root else entry.service, complete=complete)
+                                 app=entry.app if entry.has_root else entry.service, complete=complete,
+                                 app_tag=self.app_tag)
         if self._metrics is not None:
             self._metrics.emitted.labels(reason).inc()
         return AssembledTrace(trace, reason, entry.tickets)
@@ -309,8 +311,8 @@ class OtlpLineAssembler:
     """
 
     def __init__(self, settings: AssemblySettings | None = None,
-                 metrics: AssemblyMetrics | None = None) -> None:
-        self._assembler = TraceAssembler(settings, clock=lambda: 0.0, metrics=metrics)
+                 metrics: AssemblyMetrics | None = None, app_tag: str | None = None) -> None:
+        self._assembler = TraceAssembler(settings, clock=lambda: 0.0, metrics=metrics, app_tag=app_tag)
 
     def feed(self, payload: bytes | str | dict[str, Any], line: int) -> list[FileTrace]:
         groups = otlp.decode_json(payload)  # RecordError: the caller names the file and line

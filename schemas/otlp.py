@@ -379,8 +379,12 @@ _TAG_PREFIX: Final = "mlflow.traceTag."
 
 
 def build_trace(trace_id: str, spans: Sequence[Span], *, source_format: str, app: str | None = None,
-                complete: bool = True) -> Trace:
-    """The assembled `Trace` of one trace's spans (in any order; duplicates by span id dropped)."""
+                complete: bool = True, app_tag: str | None = None) -> Trace:
+    """The assembled `Trace` of one trace's spans (in any order; duplicates by span id dropped).
+
+    `app` is the service.name of the root span's resource; `app_tag` (`stream.app_tag`) names a trace
+    tag (`mlflow.traceTag.<name>`) or root span attribute whose string value is the app instead.
+    """
     unique = {s.span_id: s for s in spans}
     ordered = sorted(unique.values(), key=lambda s: s.start_ns)
     root = next((s for s in ordered if s.parent_id is None), None)
@@ -394,6 +398,10 @@ def build_trace(trace_id: str, spans: Sequence[Span], *, source_format: str, app
         for key, value in root.attributes.items():
             if key.startswith(_TAG_PREFIX) and isinstance(value, str):
                 trace.tags[key[len(_TAG_PREFIX):]] = value
+        if app_tag:
+            tagged = trace.tags.get(app_tag) or root.attributes.get(app_tag)
+            if isinstance(tagged, str) and tagged:
+                trace.app = tagged
     # Context attributes OpenInference/GenAI propagate to every span; the MLflow ingest names them so.
     for span in ordered:
         attrs = span.attributes

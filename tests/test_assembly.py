@@ -245,6 +245,22 @@ def test_app_is_the_root_spans_service():
     assert out.trace.app == "frontend"
 
 
+def test_app_tag_names_a_root_attribute_or_trace_tag():
+    producer = Producer("frontend")
+    with producer.tracer.start_as_current_span("agent", attributes={
+            "gen_ai.operation.name": "invoke_agent", "mlflow.traceTag.team": "search", "tenant": "acme"}):
+        pass
+    groups = otlp.decode_proto(encode(producer.finished()).SerializeToString())
+    apps = []
+    for tag in (None, "team", "tenant", "missing"):
+        asm = TraceAssembler(app_tag=tag)
+        asm.add(groups, source_format="otlp_proto")
+        (out,) = asm.flush()
+        apps.append(out.trace.app)
+        assert out.trace.tags == {"team": "search"}
+    assert apps == ["frontend", "search", "acme", "frontend"]
+
+
 @pytest.mark.parametrize(("change", "key"), [
     ({"quiet_period_s": 0}, "quiet_period_s"),
     ({"max_wait_s": 1.0, "quiet_period_s": 5.0}, "max_wait_s"),
