@@ -133,15 +133,16 @@ def test_alert_relay_prints_each_posted_alert() -> None:
                            " - Groundedness pass rate 61% for app shop")
 
 
-def test_tracejudge_config_is_valid_and_drains_within_the_stop_grace_period(tmp_path: Path) -> None:
+def test_tracejudge_config_is_valid_and_drains_within_the_stop_grace_period() -> None:
     from tracejudge.consumer.config import load_settings
-    from tracejudge.metrics.judge_config import JudgesConfig
 
-    raw = tracejudge_config()
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump({k: v for k, v in raw.items() if k != "judges"}))
+    path = mounted("tracejudge", "/etc/tracejudge/config.yaml")
+    check = subprocess.run([sys.executable, "-m", "tracejudge.consumer.cli", "run", "--config", str(path),
+                            "--check-config"], capture_output=True, text=True, timeout=60,
+                           env={k: v for k, v in os.environ.items() if not k.startswith("TRACEJUDGE_")})
+    assert check.returncode == 0, check.stderr
     settings = load_settings(path, environ={})
-    JudgesConfig.model_validate(raw["judges"])
+    assert settings.judges is not None and settings.judges.endpoints == {}  # the heuristic judges
     grace = int(service("tracejudge")["stop_grace_period"].removesuffix("s"))
     assert grace >= settings.stream.shutdown_grace_seconds + 10
     assert service("tracejudge")["command"] == ["--config", "/etc/tracejudge/config.yaml"]

@@ -8,6 +8,9 @@ Schema, closed with `additionalProperties: false` so a misspelt field fails here
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -184,17 +187,18 @@ def test_judge_key_comes_from_a_secret_never_from_the_configmap() -> None:
     assert not {"api_key", "key", "token"} & set(endpoint), "a literal key in the ConfigMap"
 
 
-def test_configmap_config_is_valid_tracejudge_config(tmp_path: Path) -> None:
+def test_configmap_config_passes_tracejudge_check_config(tmp_path: Path) -> None:
     from tracejudge.consumer.config import load_settings
-    from tracejudge.metrics.judge_config import JudgesConfig
 
-    raw = config()
     path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump({k: v for k, v in raw.items() if k != "judges"}))
+    path.write_text(resources()["ConfigMap"]["data"]["config.yaml"])
+    check = subprocess.run([sys.executable, "-m", "tracejudge.consumer.cli", "run", "--config", str(path),
+                            "--check-config"], capture_output=True, text=True, timeout=60,
+                           env={k: v for k, v in os.environ.items() if not k.startswith("TRACEJUDGE_")})
+    assert check.returncode == 0, check.stderr
     settings = load_settings(path, environ={})
     assert settings.http.port == container()["ports"][0]["containerPort"]
-    judges = JudgesConfig.model_validate(raw["judges"])
-    assert judges.endpoints["default"].api_key_file
+    assert settings.judges is not None and settings.judges.endpoints["default"].api_key_file
 
 
 def test_podmonitor_scrapes_the_deployment_pods() -> None:
