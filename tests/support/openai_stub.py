@@ -288,3 +288,21 @@ class OpenAIStub:
         finally:
             self._tasks.discard(task)
             writer.close()
+
+
+def main() -> None:
+    """Serve on loopback in its own process (the benchmark's endpoint): prints the port, then serves
+    until stdin closes."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--delay", type=float, default=0.0, help="seconds before every answer")
+    args = parser.parse_args()
+    with OpenAIStub(delay=args.delay, record=1000) as stub:
+        print(stub.port, flush=True)
+        sys.stdin.read()
+
+
+if __name__ == "__main__":
+    main()
