@@ -401,7 +401,8 @@ class JudgeRunner:
 
     def judge_sync(self, record: EvalRecord) -> list[Assessment]:
         """Blocking `judge` for tests and scripts (not from inside a running event loop)."""
-        return asyncio.run_coroutine_threadsafe(self._judge_bound(record), self._background_loop()).result()
+        loop = self._background_loop()
+        return asyncio.run_coroutine_threadsafe(self._judge_bound(record), loop).result()
 
     async def _judge_bound(self, record: EvalRecord) -> list[Assessment]:
         return await self.judge(record)
@@ -430,6 +431,8 @@ class JudgeRunner:
 
     def _background_loop(self) -> asyncio.AbstractEventLoop:
         with self._lock:
+            if self._closed:
+                raise RuntimeError("this JudgeRunner is closed")
             if self._loop is None:
                 loop = asyncio.new_event_loop()
                 thread = threading.Thread(target=loop.run_forever, name="tracejudge-judges", daemon=True)
@@ -437,21 +440,29 @@ class JudgeRunner:
                 self._loop, self._thread = loop, thread
             return self._loop
 
-    async def aclose(self) -> None:
-        """Stop accepting judgements and close the HTTP clients (drain in-flight work first)."""
+    async def aclose(self, drain_seconds: float = 10.0) -> None:
+        """Stop accepting judgements (new ones are skipped as "closed"), give those in flight up to
+        `drain_seconds` to finish, then close the HTTP clients."""
         self._closed = True
+        deadline = time.monotonic() + drain_seconds
+        while self._in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         for client in self.clients.values():
             await client.aclose()
 
-    def close(self) -> None:
+    def close(self, drain_seconds: float = 10.0) -> None:
+        """Blocking `aclose` for the runner's own loop (submit/judge_sync/judge_many users)."""
         self._closed = True
-        if self._loop is not None:
-            asyncio.run_coroutine_threadsafe(self.aclose(), self._loop).result(timeout=30)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            assert self._thread is not None
-            self._thread.join(timeout=30)
-            self._loop.close()
-            self._loop = None
+        with self._lock:
+            loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        asyncio.run_coroutine_threadsafe(self.aclose(drain_seconds), loop).result(timeout=drain_seconds + 30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=30)
+        loop.close()
+        with self._lock:
+            self._loop = self._thread = None
 
     def __enter__(self) -> JudgeRunner:
         return self

@@ -180,6 +180,28 @@ def test_judge_outage_with_timeouts_stays_bounded_and_keeps_flowing(stub: OpenAI
     r.close()
 
 
+def test_close_drains_judgements_in_flight_then_refuses_new_ones(stub: OpenAIStub) -> None:
+    stub.responder = lambda req: Reply.verdict("yes", delay=0.3)
+    r = runner(stub)
+    pending = r.submit(record(1))
+    wait_until(lambda: stub.total == 1)
+    r.close()
+    assert pending.done() and pending.result()[0].value == "yes"  # finished, not cut off
+    assert r.submit(record(2)).result()[0].skipped == "closed"
+    with pytest.raises(RuntimeError, match="closed"):
+        r.judge_sync(record(3))
+    r.close()  # idempotent
+
+
+def test_api_key_from_a_file(stub: OpenAIStub, tmp_path: Any) -> None:
+    key_file = tmp_path / "api-key"
+    key_file.write_text("sk-from-a-mounted-secret\n")
+    r = runner(stub, api_key_file=str(key_file))
+    r.judge_sync(record())
+    r.close()
+    assert stub.requests[0].headers["authorization"] == "Bearer sk-from-a-mounted-secret"
+
+
 def test_whole_judgement_deadline(stub: OpenAIStub) -> None:
     stub.responder = lambda req: Reply.verdict("yes", delay=2.0)
     r = runner(stub, timeout_seconds=5.0, top={"judgement_timeout_seconds": 0.2})
