@@ -215,6 +215,12 @@ def metric(port: int, name: str, **labels: str) -> float:
     return value(scrape(port).text, name, **labels)
 
 
+def series(port: int, name: str, **labels: str) -> list[float]:
+    """The values of every exposed sample of `name` whose labels include `labels` (absent: [])."""
+    want = set(labels.items())
+    return [v for (n, ls), v in samples(scrape(port).text).items() if n == name and want <= ls]
+
+
 # -- the real `tracejudge run` as a process ---------------------------------------------------------
 
 
@@ -252,6 +258,9 @@ class RunnerProcess:
 
     def metric(self, name: str, **labels: str) -> float:
         return metric(self.port, name, **labels)
+
+    def series(self, name: str, **labels: str) -> list[float]:
+        return series(self.port, name, **labels)
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)

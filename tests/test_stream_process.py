@@ -1,0 +1,109 @@
+"""The real `tracejudge run` process: SIGKILL mid-stream loses nothing; SIGTERM drains, commits, leaves."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import orjson
+import pytest
+from support.kafka import (
+    RunnerProcess,
+    agent_traces,
+    committed_offsets,
+    ends,
+    produce,
+    read_topic,
+    shared_broker,
+    unique,
+    wait_until,
+)
+
+
+@pytest.fixture(scope="session")
+def broker():
+    return shared_broker()
+
+
+def test_a_consumer_killed_mid_stream_and_restarted_loses_no_trace(broker):
+    bs = broker.bootstrap_servers
+    topic, results, group = unique("kill"), unique("results"), unique("group")
+    traces = agent_traces(200, seed=31)
+    payloads = [t.payload for t in traces]
+    keys = [t.trace_id.encode() for t in traces]
+    placed = produce(bs, topic, payloads[:100], keys=keys[:100])
+    args = ("--topic", f"{topic}:mlflow", "--group-id", group, "--results-topic", results)
+    first = RunnerProcess(bs, *args, env={"TRACEJUDGE_STREAM__COMMIT_INTERVAL_MS": "300"}).wait_ready()
+    try:
+        wait_until(lambda: first.metric("tracejudge_records_total") >= 100
+                   and first.metric("tracejudge_commits_total") >= 1, 60, message="first half done")
+
+        def second_half() -> None:
+            for i in range(100, 200, 10):
+                placed.extend(produce(bs, topic, payloads[i:i + 10], keys=keys[i:i + 10]))
+
+        producer = threading.Thread(target=second_half)
+        producer.start()
+        wait_until(lambda: first.metric("tracejudge_records_total") > 100, 60, message="second half started")
+        first.signal(signal.SIGKILL)
+        killed_after = first.finish(timeout=30)
+        producer.join(60)
+    finally:
+        first.kill()
+    assert killed_after == -signal.SIGKILL
+    restarted = RunnerProcess(bs, *args).wait_ready(timeout=90)
+    try:
+        out = read_topic(bs, results, at_least=len(traces), timeout=90)
+        wait_until(lambda: all(committed_offsets(bs, group, topic).get(p) == end
+                               for p, end in ends(placed).items()),
+                   30, message="the restarted consumer commits to the end")
+        restarted.signal(signal.SIGTERM)
+        assert restarted.finish(timeout=60) == 0, restarted.log[-3000:]
+    finally:
+        restarted.kill()
+    keys_seen = {r.key.decode() for r in out}
+    assert keys_seen == {t.trace_id.removeprefix("tr-") for t in traces}
+    sources = {(orjson.loads(r.value)["source"]["partition"], orjson.loads(r.value)["source"]["offset"])
+               for r in out}
+    assert sources == set(placed)
+
+
+def test_sigterm_drains_commits_and_leaves_so_a_restart_reprocesses_nothing(broker):
+    bs = broker.bootstrap_servers
+    topic, results, group = unique("term"), unique("results"), unique("group")
+    traces = agent_traces(40, seed=33)
+    placed = produce(bs, topic, [t.payload for t in traces], keys=[t.trace_id.encode() for t in traces])
+    args = ("--topic", f"{topic}:mlflow", "--group-id", group, "--results-topic", results)
+    # No periodic commits: what is committed is committed by the shutdown.
+    env = {"TRACEJUDGE_STREAM__COMMIT_INTERVAL_MS": "3600000"}
+    first = RunnerProcess(bs, *args, env=env).wait_ready()
+    try:
+        wait_until(lambda: first.metric("tracejudge_results_published_total") == len(traces), 60)
+        assert first.metric("tracejudge_commits_total") == 0
+        first.signal(signal.SIGTERM)
+        assert first.finish(timeout=60) == 0, first.log[-3000:]
+    finally:
+        first.kill()
+    log = first.log
+    assert "SIGTERM received: stopping" in log and "partitions revoked" in log and log.rstrip().endswith(
+        "tracejudge.run: stopped")
+    committed = committed_offsets(bs, group, topic)
+    assert all(committed[p] == end for p, end in ends(placed).items()), committed
+
+    restarted = RunnerProcess(bs, *args, env=env).wait_ready()
+    try:
+        # Positions known (lag reported) on every partition with data: nothing was fetched again.
+        wait_until(lambda: all(restarted.series("tracejudge_consumer_lag_records", topic=topic,
+                                                partition=str(p)) == [0.0] for p in ends(placed))
+                   and restarted.metric("tracejudge_assigned_partitions") >= len(ends(placed)), 30,
+                   message="the restarted consumer reports its lag")
+        assert restarted.metric("tracejudge_records_total") == 0
+        fresh = agent_traces(3, seed=34)
+        produce(bs, topic, [t.payload for t in fresh])
+        wait_until(lambda: restarted.metric("tracejudge_records_total") == 3, 30)
+        restarted.signal(signal.SIGTERM)
+        assert restarted.finish(timeout=60) == 0
+    finally:
+        restarted.kill()
+    out = read_topic(bs, results, at_least=len(traces) + 3)
+    assert len(out) == len(traces) + 3  # every trace once: nothing re-delivered by the restart
