@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -65,6 +66,16 @@ def detect_format(payload: bytes | str) -> str:
     if isinstance(payload, str):
         return FORMAT_JSON
     return FORMAT_JSON if payload[:64].lstrip(b" \t\r")[:1] == b"{" else FORMAT_PROTO
+
+
+_OTLP_JSON_HEAD: Final = re.compile(rb'\s*\{\s*"resource_?[sS]pans"')
+
+
+def looks_like_otlp_json(line: bytes | str) -> bool:
+    """Cheap sniff, no parsing: a JSON object whose first key is `resourceSpans` (how every OTLP/JSON
+    writer starts). For routing lines of a mixed file to trace assembly."""
+    head = line[:200].encode() if isinstance(line, str) else line[:200]
+    return _OTLP_JSON_HEAD.match(head) is not None
 
 
 def is_otlp_json(obj: Any) -> bool:

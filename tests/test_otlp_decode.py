@@ -120,6 +120,10 @@ def test_detect_format():
     assert otlp.detect_format(b"\x0a\x02") == "otlp_proto"
     assert otlp.detect_format('{"resourceSpans": []}') == "otlp_json"
     assert otlp.is_otlp_json({"resourceSpans": []}) and not otlp.is_otlp_json({"info": {}})
+    assert otlp.looks_like_otlp_json(b' {"resourceSpans": [{"resource": {}}]}')
+    assert otlp.looks_like_otlp_json('{ "resource_spans": []}')
+    assert not otlp.looks_like_otlp_json(b'{"info": {"trace_id": "tr-1"}, "resourceSpans": []}')
+    assert not otlp.looks_like_otlp_json(b"\x0a\x02")
     # A newline before the JSON still decodes (detection falls back from protobuf to JSON).
     assert otlp.decode(b'\n{"resourceSpans": []}') == ("otlp_json", [])
 
