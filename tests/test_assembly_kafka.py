@@ -23,6 +23,7 @@ from support.otel_producers import (
     genai_trace,
     interleave,
     kafka_messages,
+    mlflow_otlp_batches,
     openinference_trace,
     traceloop_trace,
 )
@@ -49,6 +50,7 @@ def all_committed(bootstrap: str, group: str, topic: str, produced: list[tuple[i
 
 
 def test_otlp_proto_and_json_topics_assemble_traces_split_over_records(broker):  # noqa: F811
+    """SDK traces under three conventions and MLflow's own OTLP export, split over records."""
     bootstrap = broker.bootstrap_servers
     proto_topic, json_topic, results, group = (unique("otlp-proto"), unique("otlp-json"),
                                               unique("otlp-results"), unique("otlp-group"))
@@ -64,6 +66,8 @@ def test_otlp_proto_and_json_topics_assemble_traces_split_over_records(broker): 
     # several records.
     json_records = kafka_messages(weather.finished(), per_message=2, fmt="otlp_json", by_trace_id=True)
     assert len(proto_records) >= 6 and all(k is not None for k, _ in json_records)
+    # MLflow's own OTLP export (two traces, two spans a batch) on the same protobuf topic.
+    mlflow_batches = mlflow_otlp_batches(2, service="mlflow-shop", batch_size=2)
 
     runner = StreamRunner(settings(bootstrap, [f"{proto_topic}:otlp_proto", f"{json_topic}:otlp_json"],
                                    kafka__group_id=group, stream__results_topic=results,
@@ -71,11 +75,15 @@ def test_otlp_proto_and_json_topics_assemble_traces_split_over_records(broker): 
                           judges=False)
     runner.start()
     try:
-        acks_proto = produce(bootstrap, proto_topic, [v for _, v in proto_records])
+        proto_values = interleave([v for _, v in proto_records], mlflow_batches)
+        acks_proto = produce(bootstrap, proto_topic, proto_values)
         acks_json = produce(bootstrap, json_topic, [v for _, v in json_records],
                             keys=[k for k, _ in json_records])
-        got = results_by_trace(bootstrap, results, at_least=len(recs))
-        assert set(got) == {r.trace_id for r in recs}
+        got = results_by_trace(bootstrap, results, at_least=len(recs) + 2)
+        mlflow_results = [r for (r,) in got.values() if r["app"] == "mlflow-shop"]
+        assert sorted(r["request"] for r in mlflow_results) == ["question 0", "question 1 fail"]
+        assert all(r["response"] == f"answer {r['request']}" and r["complete"] for r in mlflow_results)
+        assert set(got) - {r["trace_id"] for r in mlflow_results} == {r.trace_id for r in recs}
         for rec in recs:
             (result,) = got[rec.trace_id]
             assert result["request"] == rec.question and result["response"] == rec.answer
@@ -91,9 +99,9 @@ def test_otlp_proto_and_json_topics_assemble_traces_split_over_records(broker): 
                    message="all offsets committed")
         registry = runner.registry
         assert registry.get_sample_value("tracejudge_assembly_traces_emitted_total",
-                                         {"reason": "complete"}) == len(recs)
+                                         {"reason": "complete"}) == len(recs) + 2
         assert registry.get_sample_value("tracejudge_assembly_open_traces") == 0
-        assert registry.get_sample_value("tracejudge_assembly_spans_total") == 4 * 5 + 3 * 2
+        assert registry.get_sample_value("tracejudge_assembly_spans_total") == 4 * 5 + 3 * 2 + 4 * 2
     finally:
         runner.stop()
         assert runner.join(60)
