@@ -56,6 +56,7 @@ def wait_until(check: Callable[[], T], timeout: float, what: str, interval: floa
     """
     deadline = time.monotonic() + timeout
     last_error: BaseException | None = None
+    pause = threading.Event()  # never set: its wait() is the poll interval
     while True:
         try:
             value = check()
@@ -68,7 +69,7 @@ def wait_until(check: Callable[[], T], timeout: float, what: str, interval: floa
         if time.monotonic() >= deadline:
             detail = f" (last error: {last_error!r})" if last_error else ""
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}{detail}")
-        time.sleep(interval)
+        pause.wait(interval)
 
 
 def binary(name: str) -> str:
