@@ -5,7 +5,9 @@ traces, and one trace's spans arrive over many records (on one partition with
 `partition_traces_by_id`, but still never in one record). `TraceAssembler` buffers spans by trace id
 and emits a trace
 
-- `complete` once its root span has arrived and no new span came for `quiet_period_s`;
+- `complete` once its root span has arrived and no new span came for `quiet_period_s` (a span whose
+  parent is remote, a service's entry span, counts as the root: the trace's real root may live in
+  an uninstrumented gateway and never arrive);
 - `timeout` (flagged `Trace.complete=False`) when `max_wait_s` has passed since its first span;
 - `evicted` (incomplete) when the open-trace or held-span cap forces the oldest trace out;
 - `flushed` (incomplete) at the end of a finite input, for traces whose root never came.
@@ -45,7 +47,7 @@ from tracejudge.metrics.assembly_metrics import (
 )
 from tracejudge.schemas import otlp
 from tracejudge.schemas.derive import derive
-from tracejudge.schemas.otlp import SpanGroup
+from tracejudge.schemas.otlp import REMOTE_PARENT_KEY, SpanGroup
 from tracejudge.schemas.record import EvalRecord
 from tracejudge.schemas.trace import Span, Trace
 
@@ -167,7 +169,8 @@ class TraceAssembler:
             entry.last_at = now
             if entry.service is None:
                 entry.service = group.service
-            if not entry.has_root and any(s.parent_id is None for s in spans):
+            if not entry.has_root and any(s.parent_id is None or REMOTE_PARENT_KEY in s.attributes
+                                          for s in spans):
                 entry.has_root = True
                 entry.app = group.service
             if entry.has_root:

@@ -44,6 +44,13 @@ _ZERO_SPAN: Final = b"\x00" * 8
 _HEX: Final = frozenset("0123456789abcdefABCDEF")
 # Only these events are read (exceptions, vector-DB hits); other events' attributes are never decoded.
 _READ_EVENTS: Final = frozenset({"exception", "db.query.result"})
+# Span.flags: "has is-remote" (0x100) and "parent is remote" (0x200) both set.
+_REMOTE_PARENT: Final = 0x300
+# Set on a span whose parent lives in another process: a service's entry span. When a trace's real
+# root never reaches the topic (an uninstrumented gateway propagated the context), the entry span
+# stands in for it.
+REMOTE_PARENT_KEY: Final = "tracejudge.parent_is_remote"
+REMOTE_PARENT_ID_KEY: Final = "tracejudge.remote_parent_span_id"
 _STATUS_NAMES: Final = {"STATUS_CODE_UNSET": STATUS_UNSET, "STATUS_CODE_OK": STATUS_OK,
                         "STATUS_CODE_ERROR": STATUS_ERROR}
 
@@ -143,6 +150,8 @@ def decode_proto(payload: bytes) -> list[SpanGroup]:
                     attributes=_proto_attributes(sp.attributes),
                     events=events,
                 )
+                if parent and sp.flags & _REMOTE_PARENT == _REMOTE_PARENT:
+                    span.attributes[REMOTE_PARENT_KEY] = True
                 group = by_trace.get(trace_id)
                 if group is None:
                     group = by_trace[trace_id] = SpanGroup(trace_id.hex(), service, [])
@@ -238,6 +247,8 @@ def decode_json(payload: bytes | str | Mapping[str, Any]) -> list[SpanGroup]:
                     attributes=_json_attributes(sp.get("attributes"), f"{where}.attributes"),
                     events=events,
                 )
+                if parent and _json_int(sp.get("flags"), f"{where}.flags") & _REMOTE_PARENT == _REMOTE_PARENT:
+                    span.attributes[REMOTE_PARENT_KEY] = True
                 group = by_trace.get(trace_id)
                 if group is None:
                     group = by_trace[trace_id] = SpanGroup(trace_id, service, [])
@@ -399,6 +410,13 @@ def build_trace(trace_id: str, spans: Sequence[Span], *, source_format: str, app
     unique = {s.span_id: s for s in spans}
     ordered = sorted(unique.values(), key=lambda s: s.start_ns)
     root = next((s for s in ordered if s.parent_id is None), None)
+    if root is None:
+        root = next((s for s in ordered if s.attributes.get(REMOTE_PARENT_KEY) and s.parent_id not in unique),
+                    None)
+        if root is not None:
+            # The entry span of the first instrumented service is the root of what was recorded.
+            root.attributes[REMOTE_PARENT_ID_KEY] = root.parent_id
+            root.parent_id = None
     trace = Trace(trace_id=trace_id, spans=ordered, source_format=source_format, app=app,
                   complete=complete)
     if root is not None:

@@ -324,3 +324,35 @@ def test_assembly_metrics_pass_promtool_lint(env):
     proc = subprocess.run([tool("promtool"), "check", "metrics"], input=text, capture_output=True, timeout=30,
                           check=False)
     assert proc.returncode == 0 and not proc.stdout.strip(), proc.stdout + proc.stderr
+
+
+def test_entry_span_with_a_remote_parent_stands_in_for_a_root_that_never_arrives():
+    """An uninstrumented gateway propagated `traceparent`: the agent's top span has a remote parent
+    that is never exported. The trace still completes on its quiet period and has a root."""
+    from opentelemetry import trace as otel_trace
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    producer = Producer("agent")
+    remote = SpanContext(trace_id=0x4BF92F3577B34DA6A3CE929D0E0E4736, span_id=0x00F067AA0BA902B7,
+                         is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    context = otel_trace.set_span_in_context(NonRecordingSpan(remote))
+    question = json.dumps([{"role": "user", "parts": [{"type": "text", "content": "hi?"}]}])
+    with (producer.tracer.start_as_current_span("invoke_agent", context=context, attributes={
+            "gen_ai.operation.name": "invoke_agent", "gen_ai.input.messages": question}),
+          producer.tracer.start_as_current_span("chat", attributes={"gen_ai.operation.name": "chat"})):
+        pass
+    request = encode(producer.finished())
+    assert request.resource_spans[0].scope_spans[0].spans[1].flags == 0x300
+    clock = Clock()
+    asm = TraceAssembler(AssemblySettings(quiet_period_s=1.0), clock=clock)
+    for payload in (request.SerializeToString(), to_otlp_json(request)):
+        asm.add(otlp.decode(payload)[1], source_format="otlp_proto")
+        clock.now += 1.0
+        (out,) = asm.poll()
+        assert out.reason == "complete" and out.trace.complete
+        record = out.record()
+        assert record.request == "hi?" and record.latency_seconds is not None
+        root = next(s for s in out.trace.spans if s.parent_id is None)
+        assert root.name == "invoke_agent"
+        assert root.attributes["tracejudge.remote_parent_span_id"] == "00f067aa0ba902b7"
+        asm = TraceAssembler(AssemblySettings(quiet_period_s=1.0), clock=clock)
