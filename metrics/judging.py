@@ -178,8 +178,8 @@ class JudgeRunner:
             judge = BUILTIN_FACTORIES[name](settings=settings, endpoint=client.config)
         return _Configured(judge, rate, flt, client, embeddings, self.budgets[endpoint_name])
 
-    @property
     def judge_names(self) -> list[str]:
+        """The configured judges, in the order their assessments appear in results."""
         return [c.name for c in self._judges]
 
     @property

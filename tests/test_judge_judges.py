@@ -609,7 +609,7 @@ def test_configuration_errors_for_endpoints_and_keys() -> None:
 def test_the_example_config_loads_and_every_judge_is_built() -> None:
     section_ = yaml.safe_load(EXAMPLE.read_text())["judges"]
     runner = JudgeRunner(section_, env={"OPENAI_API_KEY": "k", "AZURE_OPENAI_API_KEY": "a"})
-    assert runner.judge_names == [
+    assert runner.judge_names() == [
         "groundedness",
         "relevance_to_query",
         "safety",

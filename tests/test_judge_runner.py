@@ -393,7 +393,7 @@ def test_records_from_real_mlflow_traces(stub: OpenAIStub) -> None:
 
 def test_heuristic_default_shows_groundedness_dropping_for_ungrounded_answers() -> None:
     r = JudgeRunner(None, registry=CollectorRegistry())
-    assert r.judge_names == ["groundedness", "relevance_to_query"] and not r.needs_event_loop
+    assert r.judge_names() == ["groundedness", "relevance_to_query"] and not r.needs_event_loop
     rag = normalise(mlflow_apps.run("rag"))
     grounded = {a.name: a for a in r.judge_sync(rag)}
     rag.response = "Our premium plan costs 49 dollars per month and includes phone support."
