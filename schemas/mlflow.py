@@ -73,7 +73,7 @@ class _Malformed(Exception):
 
 
 def is_mlflow_trace(obj: Mapping[str, Any]) -> bool:
-    return isinstance(obj.get("info"), Mapping) or ("info" in obj and "data" in obj)
+    return isinstance(obj.get("info"), dict) or ("info" in obj and "data" in obj)
 
 
 def _attr(raw: Any) -> Any:
@@ -94,15 +94,19 @@ def _attr(raw: Any) -> Any:
 
 def _usage(value: Any) -> TokenUsage | None:
     """`{"input_tokens", "output_tokens", "total_tokens"}`; a malformed usage is treated as unstated."""
-    if not isinstance(value, Mapping):
+    if type(value) is not dict:
         return None
-    parts = []
-    for key in ("input_tokens", "output_tokens", "total_tokens"):
-        v = value.get(key)
-        parts.append(v if type(v) is int else None)
-    if parts == [None, None, None]:
+    get = value.get
+    inp, out, total = get("input_tokens"), get("output_tokens"), get("total_tokens")
+    if type(inp) is not int:
+        inp = None
+    if type(out) is not int:
+        out = None
+    if type(total) is not int:
+        total = None
+    if inp is None and out is None and total is None:
         return None
-    return TokenUsage(*parts)
+    return TokenUsage(inp, out, total)
 
 
 def _exception(events: Any) -> str | None:
@@ -234,6 +238,11 @@ def _span(raw: dict[str, Any], v2: bool, ids: dict[str, str], everything: bool) 
 def _str_map(value: dict[str, Any] | None) -> dict[str, str]:
     if not value:
         return {}
+    for v in value.values():
+        if type(v) is not str:
+            break
+    else:
+        return dict(value)
     return {k: v for k, v in value.items() if type(v) is str}
 
 
