@@ -123,7 +123,6 @@ class TraceProducer(threading.Thread):
         self.settings = settings
         self.stats = ProducerStats()
         self.error: BaseException | None = None
-        self.ready = threading.Event()
         self._stop_event = threading.Event()
         self._lock = threading.Lock()
 
@@ -145,16 +144,13 @@ class TraceProducer(threading.Thread):
                                      client_id="tracejudge-demo-agent", linger_ms=20, compression_type="gzip")
         except Exception as exc:
             self.error = exc
-            self.ready.set()
             return
         try:
             with SyntheticRagAgent(self.settings) as agent:
-                self.ready.set()
                 self._loop(agent, producer)
         except Exception as exc:  # reported by main(), which stops the demo
             self.error = exc
         finally:
-            self.ready.set()
             producer.flush(timeout=10)
             producer.close(timeout=10)
 
@@ -303,10 +299,11 @@ class Summary:
         def produced(attr: str) -> Callable[[dict[str, str]], str]:
             def cell(match: dict[str, str]) -> str:
                 counts = [c for app, c in p.by_app.items() if match.get("app", app) == app]
-                total = sum(c.produced for c in counts)
                 value = sum(getattr(c, attr) for c in counts)
                 if attr == "produced":
                     return str(value)
+                # The ungrounded share is of the answered requests, like the groundedness pass rate.
+                total = sum(c.produced - (c.failed if attr == "ungrounded" else 0) for c in counts)
                 return f"{value} ({_pct(value / total if total else None)})"
             return cell
 
@@ -336,7 +333,7 @@ class Summary:
         rows = [
             ["", *columns],
             row("produced by the agent", produced("produced")),
-            row("  made ungrounded", produced("ungrounded")),
+            row("  made ungrounded (of answered)", produced("ungrounded")),
             row("  made to fail", produced("failed")),
             row("  with a tool call", produced("with_tools")),
             row("evaluated traces", evaluated),
@@ -501,9 +498,12 @@ def main(args: argparse.Namespace, out: TextIO | None = None) -> int:
             producer.stop()
             producer.join(timeout=30)
             if producer.error is not None:
+                _log.error("the agent stopped", exc_info=producer.error)
                 print(f"tracejudge demo: the agent stopped: {type(producer.error).__name__}: "
                       f"{producer.error}", file=sys.stderr)
-            produced = producer.snapshot().produced
+            sent = producer.snapshot()
+            # Joined, so every send has been acknowledged or has failed: wait for the delivered ones.
+            produced = sent.produced - sent.send_errors
             drained = _drain(runner, produced, stop)
             final = Summary(time.monotonic() - started, producer.snapshot(), runner.samples())
             if not drained:
@@ -512,7 +512,10 @@ def main(args: argparse.Namespace, out: TextIO | None = None) -> int:
             print(final.table(f"tracejudge demo - final summary after {final.elapsed:.0f}s"), file=out,
                   flush=True)
             if runner.error is not None:
-                print(f"tracejudge demo: the consumer stopped: {runner.error}", file=sys.stderr)
+                _log.error("the consumer stopped", exc_info=runner.error)
+                print(f"tracejudge demo: the consumer stopped: {type(runner.error).__name__}: "
+                      f"{runner.error}", file=sys.stderr)
+            if runner.error is not None or producer.error is not None:
                 return 1
     except ConfigError as exc:
         print(f"tracejudge demo: {exc.report()}", file=sys.stderr)
@@ -583,6 +586,9 @@ class EmbeddedRunner:
             "stream.app_tag": APP_TAG,
             "http.bind_address": "127.0.0.1",
             "http.port": metrics_port,
+            # An empty judges section: with no model endpoint, the model-free heuristic groundedness
+            # and relevance_to_query judges run on every answered trace.
+            "judges": {},
         })
         self.runner = StreamRunner(self.settings)
         self.error: BaseException | None = None

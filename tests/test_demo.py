@@ -136,6 +136,12 @@ def test_demo_runs_for_its_duration_serves_metrics_and_prints_a_consistent_summa
     assert evaluated == produced
     assert [ok + error for ok, error in ok_error] == evaluated
     assert [error for _, error in ok_error] == failed and failed[0] > 0
+    # Every answered trace was judged by the heuristic groundedness judge, which fails exactly the
+    # answers the agent made up.
+    ungrounded = [int(c.split()[0]) for c in summary_row(out, "made ungrounded")]
+    for cell, (ok, _), made_up in zip(summary_row(out, "groundedness pass rate"), ok_error, ungrounded,
+                                      strict=True):
+        assert cell == f"{100 * (ok - made_up) / ok:.1f}% (n={ok})"
     assert "records consumed: ok " + str(produced[0]) in out
     assert "dead letters: 0" in out
     # The agent traced with MLflow without writing a tracking store into the working directory.
