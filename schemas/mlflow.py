@@ -51,9 +51,11 @@ TRACE_USAGE = "mlflow.trace.tokenUsage"
 _METADATA_TAGS = ("mlflow.trace.session", "mlflow.trace.user", "mlflow.modelId",
                   "mlflow.databricks.modelServingEndpointName", "mlflow.sourceRun")
 
-_KINDS = {k.value: k for k in SpanKind}
+# MLflow types the neutral SpanKind does not name: structure-only ones read as CHAIN (as the OTLP
+# conventions do), anything else as UNKNOWN.
+_KINDS = {**{k.value: k for k in SpanKind}, "WORKFLOW": SpanKind.CHAIN, "TASK": SpanKind.CHAIN}
 # `mlflow.spanType` as written ('"RETRIEVER"'): looked up without decoding.
-_RAW_KINDS = {f'"{k.value}"': k for k in SpanKind}
+_RAW_KINDS = {f'"{name}"': kind for name, kind in _KINDS.items()}
 _STATUS = {
     "STATUS_CODE_OK": SpanStatus.OK, "OK": SpanStatus.OK,
     "STATUS_CODE_ERROR": SpanStatus.ERROR, "ERROR": SpanStatus.ERROR,
