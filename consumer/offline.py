@@ -3,6 +3,12 @@
 A malformed line never stops the run: it is reported with its file and line number, counted, and
 written to `--rejects` when given, so a million-line file with three bad lines still yields
 999,997 results and a list of exactly what to fix.
+
+It reads the same configuration file as `tracejudge run` (custom metrics, judges, app tag, OTLP
+assembly limits), so the scores it writes are the scores the stream exports. OTLP/JSON lines
+(`{"resourceSpans": ...}`) go through the same trace assembly as an OTLP topic: the spans of one trace
+may be spread over many lines, and each trace is evaluated once it is whole (at the latest at the end
+of the input).
 """
 
 from __future__ import annotations
@@ -12,17 +18,21 @@ import math
 import sys
 import time
 from array import array
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, BinaryIO
+from typing import IO, Any, BinaryIO
 
 import orjson
 
-from tracejudge.consumer.pipeline import Pipeline
+from tracejudge.consumer.assembly import OtlpLineAssembler
+from tracejudge.consumer.config import ConfigError, Settings, load_settings
+from tracejudge.consumer.pipeline import Pipeline, build_judges, build_pipeline
+from tracejudge.schemas import otlp
 from tracejudge.schemas.errors import RecordError
-from tracejudge.schemas.result import EvaluationResult, SourceRef
+from tracejudge.schemas.result import Assessment, EvaluationResult, SourceRef
 
 PROGRESS_EVERY_SECONDS = 5.0
 
@@ -37,7 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", default="auto",
                         choices=["auto", "agent_eval", "mlflow", "inference_log"],
                         help="the format of every line (default: detected per line)")
-    parser.add_argument("--config", type=Path, help="the same YAML file `tracejudge run` reads")
+    parser.add_argument("--config", type=Path,
+                        help="the YAML file `tracejudge run` reads (metrics, judges, app tag, OTLP assembly)")
+    parser.add_argument("--fail-under", action="append", default=[], metavar="JUDGE=THRESHOLD",
+                        help="exit 1 when JUDGE's mean score is below THRESHOLD (repeatable)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress or summary on stderr")
 
 
@@ -51,6 +64,7 @@ class Summary:
     metric_sums: dict[str, float] = field(default_factory=dict)
     metric_counts: dict[str, int] = field(default_factory=dict)
     metric_errors: dict[str, int] = field(default_factory=dict)
+    judges: dict[str, JudgeTally] = field(default_factory=dict)
 
     def add(self, result: EvaluationResult) -> None:
         rec = result.record
@@ -70,6 +84,8 @@ class Summary:
                 self.metric_counts[name] = self.metric_counts.get(name, 0) + 1
         for name in result.metric_errors:
             self.metric_errors[name] = self.metric_errors.get(name, 0) + 1
+        for a in result.assessments:
+            self.judges.setdefault(a.name, JudgeTally()).add(a)
 
     def render(self) -> str:
         lat = sorted(self.latencies)
@@ -88,8 +104,39 @@ class Summary:
             rows.append((f"mean {name}", f"{mean:.4g}{note}"))
         for name in sorted(set(self.metric_errors) - set(self.metric_counts)):
             rows.append((f"mean {name}", f"-  ({self.metric_errors[name]} errors)"))
+        for name, t in self.judges.items():
+            mean = "-" if t.mean is None else f"{t.mean:.3f}"
+            rows.append((f"judge {name}", f"mean score {mean}, passed {t.passed}/{t.verdicts} "
+                                          f"({_pct(t.passed, t.verdicts)}), {t.errors} errors, "
+                                          f"{t.skipped} skipped"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+@dataclass
+class JudgeTally:
+    verdicts: int = 0
+    passed: int = 0
+    errors: int = 0
+    skipped: int = 0
+    scores: int = 0
+    score_sum: float = 0.0
+
+    def add(self, a: Assessment) -> None:
+        if a.skipped is not None:
+            self.skipped += 1
+        elif a.error is not None:
+            self.errors += 1
+        if a.score is not None:
+            self.scores += 1
+            self.score_sum += a.score
+        if a.passed is not None:
+            self.verdicts += 1
+            self.passed += a.passed
+
+    @property
+    def mean(self) -> float | None:
+        return self.score_sum / self.scores if self.scores else None
 
 
 def _quantile(sorted_values: list[float], q: float) -> float | None:
@@ -108,7 +155,7 @@ def _pct(n: int, d: int) -> str:
     return "-" if d == 0 else f"{100.0 * n / d:.1f}%"
 
 
-def _lines(name: str, stream: BinaryIO) -> Iterator[tuple[int, bytes]]:
+def _lines(stream: BinaryIO) -> Iterator[tuple[int, bytes]]:
     for lineno, raw in enumerate(stream, start=1):
         line = raw.strip()
         if line:
@@ -133,47 +180,102 @@ class InputError(Exception):
     pass
 
 
-def evaluate_lines(
-    pipeline: Pipeline,
-    inputs: list[tuple[str, BinaryIO]],
-    out: IO[bytes],
-    rejects: IO[bytes] | None,
-    fmt: str | None,
-    summary: Summary,
-    err: IO[str] | None,
-) -> None:
-    last_progress = started = time.monotonic()
-    for name, stream in inputs:
-        for lineno, line in _lines(name, stream):
-            try:
-                record = pipeline.normalise(line, fmt)
-            except RecordError as exc:
-                summary.rejected += 1
-                if err is not None:
-                    print(f"{name}:{lineno}: rejected ({exc.reason}): {exc.message}", file=err)
-                if rejects is not None:
-                    rejects.write(orjson.dumps({
-                        "file": name, "line": lineno, "reason": exc.reason, "error": exc.message,
-                        "record": line.decode("utf-8", "replace"),
-                    }) + b"\n")
-                continue
-            result = pipeline.evaluate(record, SourceRef(format=record.source_format, file=name, line=lineno))
-            out.write(result.to_json() + b"\n")
-            summary.add(result)
-            now = time.monotonic()
-            if err is not None and now - last_progress >= PROGRESS_EVERY_SECONDS:
-                last_progress = now
-                rate = summary.records / (now - started)
-                print(f"... {summary.records} records, {summary.rejected} rejected ({rate:.0f}/s)", file=err)
+class FileEvaluation:
+    """Lines in, results out, in input order (an assembled OTLP trace comes out when it is whole)."""
+
+    def __init__(self, pipeline: Pipeline, settings: Settings, fmt: str | None, summary: Summary,
+                 rejects: IO[bytes] | None, err: IO[str] | None) -> None:
+        self.pipeline = pipeline
+        self.settings = settings
+        self.fmt = fmt
+        self.summary = summary
+        self.rejects = rejects
+        self.err = err
+
+    def results(self, inputs: list[tuple[str, BinaryIO]]) -> Iterator[EvaluationResult]:
+        for name, stream in inputs:
+            # One assembler per file: a trace spread over two files is two partial traces, as it
+            # would be over two topics.
+            assembler: OtlpLineAssembler | None = None
+            for lineno, line in _lines(stream):
+                try:
+                    if self.fmt is None and otlp.looks_like_otlp_json(line):
+                        if assembler is None:
+                            assembler = OtlpLineAssembler(self.settings.otlp.assembly.to_settings(),
+                                                          app_tag=self.pipeline.app_tag)
+                        for t in assembler.feed(line, lineno):
+                            yield self._evaluate(t.record(), name, t.line)
+                        continue
+                    record = self.pipeline.normalise(line, self.fmt)
+                except RecordError as exc:
+                    self._reject(name, lineno, line, exc)
+                    continue
+                yield self._evaluate(record, name, lineno)
+            if assembler is not None:
+                for t in assembler.finish():
+                    yield self._evaluate(t.record(), name, t.line)
+
+    def _evaluate(self, record: Any, name: str, line: int) -> EvaluationResult:
+        return self.pipeline.evaluate(record, SourceRef(format=record.source_format, file=name, line=line))
+
+    def _reject(self, name: str, lineno: int, line: bytes, exc: RecordError) -> None:
+        self.summary.rejected += 1
+        if self.err is not None:
+            print(f"{name}:{lineno}: rejected ({exc.reason}): {exc.message}", file=self.err)
+        if self.rejects is not None:
+            self.rejects.write(orjson.dumps({
+                "file": name, "line": lineno, "reason": exc.reason, "error": exc.message,
+                "record": line.decode("utf-8", "replace"),
+            }) + b"\n")
+
+
+def _judged(results: Iterable[EvaluationResult], judges: Any) -> Iterator[EvaluationResult]:
+    """Attach assessments, keeping input order while up to the runner's window of records is judged."""
+    pending: deque[EvaluationResult] = deque()
+
+    def records() -> Iterator[Any]:
+        for r in results:
+            pending.append(r)
+            yield r.record
+
+    for assessments in judges.judge_many(records()):
+        result = pending.popleft()
+        result.assessments = assessments
+        yield result
+
+
+def parse_fail_under(values: list[str], judge_names: list[str]) -> dict[str, float]:
+    gates: dict[str, float] = {}
+    for value in values:
+        name, sep, threshold = value.partition("=")
+        try:
+            gates[name] = float(threshold)
+        except ValueError:
+            sep = ""
+        if not sep or not 0.0 <= gates.get(name, -1.0) <= 1.0:
+            raise InputError(f"--fail-under {value!r}: expected JUDGE=THRESHOLD with a threshold in [0, 1]")
+        if name not in judge_names:
+            configured = ", ".join(judge_names) or "none: add a judges: section to --config"
+            raise InputError(f"--fail-under {value!r}: {name!r} is not a configured judge ({configured})")
+    return gates
 
 
 def main(args: argparse.Namespace) -> int:
     err = None if args.quiet else sys.stderr
     fmt = None if args.format == "auto" else args.format
-    pipeline = Pipeline()
+    try:
+        settings = load_settings(args.config, offline=True)
+        pipeline = build_pipeline(settings)
+        judges = build_judges(settings)
+    except ConfigError as exc:
+        print(f"tracejudge eval: invalid configuration\n{exc.report()}", file=sys.stderr)
+        return 2
     summary = Summary()
     with ExitStack() as stack:
+        if judges is not None:
+            stack.callback(judges.close)
         try:
+            gates = parse_fail_under(args.fail_under, judges.judge_names() if judges else [])
             inputs = _open_inputs(stack, args.inputs)
             out = sys.stdout.buffer if args.output == "-" else stack.enter_context(open(args.output, "wb"))
             rejects = stack.enter_context(open(args.rejects, "wb")) if args.rejects else None
@@ -183,8 +285,30 @@ def main(args: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"tracejudge eval: cannot write {exc.filename}: {exc.strerror}", file=sys.stderr)
             return 2
-        evaluate_lines(pipeline, inputs, out, rejects, fmt, summary, err)
+        results = FileEvaluation(pipeline, settings, fmt, summary, rejects, err).results(inputs)
+        if judges is not None:
+            results = _judged(results, judges)
+        last_progress = started = time.monotonic()
+        for result in results:
+            out.write(result.to_json() + b"\n")
+            summary.add(result)
+            now = time.monotonic()
+            if err is not None and now - last_progress >= PROGRESS_EVERY_SECONDS:
+                last_progress = now
+                rate = summary.records / (now - started)
+                print(f"... {summary.records} records, {summary.rejected} rejected ({rate:.0f}/s)", file=err)
     if err is not None:
         print("tracejudge eval summary", file=err)
         print(summary.render(), file=err)
-    return 0
+    return _gate(gates, summary)
+
+
+def _gate(gates: dict[str, float], summary: Summary) -> int:
+    failed = False
+    for name, threshold in gates.items():
+        mean = summary.judges.get(name, JudgeTally()).mean
+        if mean is None or mean < threshold:
+            failed = True
+            got = "no scores" if mean is None else f"mean score {mean:.3f}"
+            print(f"tracejudge eval: {name}: {got} is below --fail-under {threshold}", file=sys.stderr)
+    return 1 if failed else 0

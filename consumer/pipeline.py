@@ -9,13 +9,19 @@ where records come from or where results go: sources and sinks live beside it in
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
-from tracejudge.metrics.computed import ComputedMetrics
+from tracejudge.metrics.computed import ComputedMetrics, MetricLoadError
 from tracejudge.schemas.detect import normalise
 from tracejudge.schemas.record import EvalRecord
 from tracejudge.schemas.result import EvaluationResult, SourceRef
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from tracejudge.consumer.config import Settings
+    from tracejudge.metrics.judging import JudgeRunner
 
 
 class Pipeline:
@@ -38,3 +44,32 @@ class Pipeline:
         """Computed metrics for one record. Never raises for a metric's failure: it is recorded."""
         values, errors = self.metrics.compute(record)
         return EvaluationResult(record=record, source=source, metrics=values, metric_errors=errors)
+
+
+def build_pipeline(settings: Settings) -> Pipeline:
+    """The pipeline the settings describe (computed-metric options, custom metric functions, app tag).
+    Raises `ConfigError` naming the key when a custom metric function cannot be loaded."""
+    from tracejudge.consumer.config import ConfigError
+
+    try:
+        metrics = ComputedMetrics.from_config(settings.metrics)
+    except MetricLoadError as exc:
+        key, _, detail = str(exc).partition(": ")
+        raise ConfigError([(key, detail)]) from None
+    return Pipeline(metrics=metrics, app_tag=settings.stream.app_tag)
+
+
+def build_judges(settings: Settings, registry: CollectorRegistry | None = None,
+                 app_label: Callable[[str | None], str] | None = None) -> JudgeRunner | None:
+    """A `JudgeRunner` when the settings have a `judges:` section, else None. Its metrics go to
+    `registry` (a private one by default) with `app_label` bounding the app values."""
+    if settings.judges is None:
+        return None
+    from tracejudge.consumer.config import ConfigError
+    from tracejudge.metrics.judge_config import JudgeConfigError
+    from tracejudge.metrics.judging import JudgeRunner
+
+    try:
+        return JudgeRunner(settings.judges, registry=registry, app_label=app_label)
+    except JudgeConfigError as exc:
+        raise ConfigError([(exc.key, exc.detail)]) from None

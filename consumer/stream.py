@@ -41,7 +41,7 @@ from kafka.structs import TopicPartition
 from tracejudge.consumer.config import ConfigError, LoggingSettings, Settings, load_settings
 from tracejudge.consumer.http_server import OperationsServer
 from tracejudge.consumer.offsets import OffsetTracker, Releasable, Ticket
-from tracejudge.consumer.pipeline import Pipeline
+from tracejudge.consumer.pipeline import Pipeline, build_judges, build_pipeline
 from tracejudge.consumer.sinks import PROCESSING_ERROR, DeadLetterSink, Publisher, ResultSink
 from tracejudge.metrics.computed import RATIO_METRICS
 from tracejudge.metrics.prometheus import PrometheusExporter
@@ -91,11 +91,19 @@ class Exports:
             self._count += 1
         return _Export(self, inner)
 
-    def _done(self) -> None:
+    def _done(self, n: int = 1) -> None:
         with self._cond:
-            self._count -= 1
+            self._count -= n
             if self._count == 0:
                 self._cond.notify_all()
+
+    def begin(self, n: int) -> None:
+        """`n` records handed to the decode workers (they finish by themselves too)."""
+        with self._cond:
+            self._count += n
+
+    def end(self, n: int) -> None:
+        self._done(n)
 
     @property
     def count(self) -> int:
@@ -122,6 +130,90 @@ class _Export:
         self._inner.release()
 
 
+_OK, _REJECTED, _BUG = 0, 1, 2
+
+
+def _normalise_one(pipeline: Pipeline, payload: bytes, fmt: str | None) -> tuple[Any, ...]:
+    # Outcomes are plain tuples: RecordError does not survive pickling (its __init__ takes 3 args).
+    try:
+        return (_OK, pipeline.normalise(payload, fmt))
+    except RecordError as exc:
+        return (_REJECTED, exc.reason, exc.message)
+    except Exception as exc:
+        return (_BUG, f"{type(exc).__name__}: {exc}")
+
+
+_worker_pipeline: Pipeline | None = None
+
+
+def _worker_init(app_tag: str | None) -> None:
+    global _worker_pipeline
+    _worker_pipeline = Pipeline(app_tag=app_tag)
+
+
+def _worker_normalise(items: list[tuple[bytes, str | None]]) -> list[tuple[Any, ...]]:
+    assert _worker_pipeline is not None
+    return [_normalise_one(_worker_pipeline, payload, fmt) for payload, fmt in items]
+
+
+def _worker_ready() -> int:
+    return os.getpid()
+
+
+class DecodeWorkers:
+    """Processes that decode and normalise records next to the poll loop.
+
+    Parsing a 20 KB MLflow trace costs about as much CPU as kafka-python spends fetching it, and in one
+    process the GIL serialises the two. Workers are spawned (not forked: the Kafka clients run
+    threads) and run `Pipeline(app_tag=...).normalise`; if one dies, decoding falls back to the poll
+    thread and `tracejudge_decode_worker_failures_total` counts it.
+    """
+
+    def __init__(self, workers: int, app_tag: str | None, failures: Any = None) -> None:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.workers = workers
+        self.broken = False
+        self._failures = failures
+        self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                                         initializer=_worker_init, initargs=(app_tag,))
+        # Start them all now (each imports tracejudge, ~1 s) rather than on the first records.
+        pids = {f.result(timeout=120) for f in [self._pool.submit(_worker_ready) for _ in range(workers * 2)]}
+        log.info("%d decode worker processes started (stream.decode_workers): pids %s", workers,
+                 ", ".join(map(str, sorted(pids))))
+
+    def submit(self, items: list[tuple[bytes, str | None]]
+               ) -> concurrent.futures.Future[list[tuple[Any, ...]]]:
+        try:
+            return self._pool.submit(_worker_normalise, items)
+        except Exception as exc:
+            failed: concurrent.futures.Future[list[tuple[Any, ...]]] = concurrent.futures.Future()
+            failed.set_exception(exc)
+            return failed
+
+    def failed(self, exc: BaseException) -> None:
+        if not self.broken:
+            log.error("decode workers failed (%s: %s); decoding on the poll thread from now on",
+                      type(exc).__name__, exc)
+        self.broken = True
+        if self._failures is not None:
+            self._failures.inc()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=False)
+
+
+class _Job:
+    __slots__ = ("fmt", "record", "source", "ticket")
+
+    def __init__(self, record: Any, source: SourceRef, ticket: Ticket, fmt: str | None) -> None:
+        self.record = record
+        self.source = source
+        self.ticket = ticket
+        self.fmt = fmt
+
+
 class RecordProcessor:
     """The per-record path: size check, decode, evaluate, judge, export, publish or dead-letter.
 
@@ -135,7 +227,8 @@ class RecordProcessor:
     def __init__(self, pipeline: Pipeline, tracker: OffsetTracker, exporter: PrometheusExporter,
                  results: ResultSink, dead_letters: DeadLetterSink, formats: Mapping[str, str], *,
                  max_record_bytes: int, exports: Exports | None = None, assembler: Any = None,
-                 judge: JudgeHook | None = None, handlers: Mapping[str, FormatHandler] | None = None) -> None:
+                 judge: JudgeHook | None = None, handlers: Mapping[str, FormatHandler] | None = None,
+                 decoder: DecodeWorkers | None = None) -> None:
         self.pipeline = pipeline
         self.tracker = tracker
         self.exporter = exporter
@@ -147,6 +240,7 @@ class RecordProcessor:
         self.assembler = assembler
         self.judge = judge
         self.handlers = dict(handlers or {})
+        self.decoder = decoder
         self._observe = exporter.processing.observe
 
     def process(self, tp: TopicPartition, record: Any) -> None:
@@ -158,11 +252,7 @@ class RecordProcessor:
         value = record.value
         handed_off = False
         try:
-            if value is None:
-                raise RecordError(errors.INVALID_RECORD, "the record has no value (a tombstone)")
-            if len(value) > self.max_record_bytes:
-                raise RecordError(errors.TOO_LARGE, f"{len(value)} bytes, more than stream.max_record_bytes "
-                                  f"({self.max_record_bytes}); not parsed")
+            self._check(value)
             handler = self.handlers.get(fmt)
             if handler is not None:
                 handed_off = True
@@ -197,6 +287,79 @@ class RecordProcessor:
                 self._dead_letter(record, source, PROCESSING_ERROR, f"{type(exc).__name__}: {exc}", ticket)
         finally:
             self._observe(time.perf_counter() - started)
+
+    def _check(self, value: bytes | None) -> None:
+        if value is None:
+            raise RecordError(errors.INVALID_RECORD, "the record has no value (a tombstone)")
+        if len(value) > self.max_record_bytes:
+            raise RecordError(errors.TOO_LARGE, f"{len(value)} bytes, more than stream.max_record_bytes "
+                              f"({self.max_record_bytes}); not parsed")
+
+    def process_batch(self, batch: Mapping[TopicPartition, list[Any]]) -> None:
+        """A poll's records. With decode workers, single-record formats are normalised in the worker
+        processes (records complete out of order); everything else goes through `process`."""
+        decoder = self.decoder
+        if decoder is None or decoder.broken:
+            for tp, records in batch.items():
+                for record in records:
+                    self.process(tp, record)
+            return
+        jobs: list[_Job] = []
+        for tp, records in batch.items():
+            for record in records:
+                fmt = self.formats.get(record.topic, "auto")
+                if fmt in self.handlers or (fmt in otlp.FORMATS and self.assembler is not None):
+                    self.process(tp, record)
+                    continue
+                ticket = self.tracker.track(tp, record.offset)
+                source = SourceRef(format=fmt, topic=record.topic, partition=record.partition,
+                                   offset=record.offset)
+                try:
+                    self._check(record.value)
+                except RecordError as exc:
+                    self._dead_letter(record, source, exc.reason, exc.message, ticket)
+                    continue
+                jobs.append(_Job(record, source, ticket, None if fmt == "auto" else fmt))
+        if not jobs:
+            return
+        # Chunks small enough to spread over the workers, big enough to amortise the hand-over.
+        size = max(32, -(-len(jobs) // decoder.workers))
+        for i in range(0, len(jobs), size):
+            chunk = jobs[i:i + size]
+            self.exports.begin(len(chunk))
+            started = time.perf_counter()
+            future = decoder.submit([(job.record.value, job.fmt) for job in chunk])
+            future.add_done_callback(lambda f, chunk=chunk, started=started: self._decoded(f, chunk, started))
+
+    def _decoded(self, future: concurrent.futures.Future[list[tuple[Any, ...]]], jobs: list[_Job],
+                 started: float) -> None:
+        # Runs on the pool's result thread (or inline when the pool is broken).
+        try:
+            try:
+                outcomes = future.result()
+            except Exception as exc:
+                assert self.decoder is not None
+                self.decoder.failed(exc)
+                outcomes = [_normalise_one(self.pipeline, job.record.value, job.fmt) for job in jobs]
+            for job, outcome in zip(jobs, outcomes, strict=True):
+                if outcome[0] == _OK:
+                    record = outcome[1]
+                    if job.fmt is None:
+                        job.source.format = record.source_format
+                    self.emit(record, job.source, job.ticket)
+                elif outcome[0] == _REJECTED:
+                    self._dead_letter(job.record, job.source, outcome[1], outcome[2], job.ticket)
+                else:
+                    log.error("unexpected error decoding %s[%s]@%s: %s", job.source.topic,
+                              job.source.partition, job.source.offset, outcome[1])
+                    self._dead_letter(job.record, job.source, PROCESSING_ERROR, outcome[1], job.ticket)
+            elapsed = time.perf_counter() - started
+            for _ in jobs:
+                self._observe(elapsed)
+        except Exception:  # never lose the count of work in flight, whatever happened above
+            log.exception("handling decoded records failed")
+        finally:
+            self.exports.end(len(jobs))
 
     def emit(self, record: EvalRecord, source: SourceRef, ticket: Releasable, *, count: bool = True) -> None:
         """Evaluate, judge, export metrics and publish; `ticket` is released when the output is acked.
@@ -321,32 +484,6 @@ class _RebalanceListener(AsyncConsumerRebalanceListener):
                 log.exception("handling lost partitions failed")
 
 
-def build_pipeline(settings: Settings) -> Pipeline:
-    """The pipeline the settings describe (computed-metric options, custom metric functions, app tag)."""
-    from tracejudge.metrics.computed import ComputedMetrics, MetricLoadError
-
-    try:
-        metrics = ComputedMetrics.from_config(settings.metrics)
-    except MetricLoadError as exc:
-        key, _, detail = str(exc).partition(": ")
-        raise ConfigError([(key, detail)]) from None
-    return Pipeline(metrics=metrics, app_tag=settings.stream.app_tag)
-
-
-def build_judges(settings: Settings, exporter: PrometheusExporter) -> Any:
-    """A `JudgeRunner` when the settings have a `judges:` section, registered on the exporter's
-    registry with its app-label limiter; else None."""
-    if settings.judges is None:
-        return None
-    from tracejudge.metrics.judge_config import JudgeConfigError
-    from tracejudge.metrics.judging import JudgeRunner
-
-    try:
-        return JudgeRunner(settings.judges, registry=exporter.registry, app_label=exporter.apps)
-    except JudgeConfigError as exc:
-        raise ConfigError([(exc.key, exc.detail)]) from None
-
-
 class StreamRunner:
     """Runs the consumer until `stop()` (or the `stop_event` given to `run`) is set.
 
@@ -366,7 +503,8 @@ class StreamRunner:
         self.exporter = exporter or PrometheusExporter(max_apps=settings.prometheus.max_apps,
                                                        ratio_metrics=ratio)
         self.registry = self.exporter.registry
-        self.judges = None if judges is False else judges or build_judges(settings, self.exporter)
+        self.judges = None if judges is False else judges or build_judges(
+            settings, self.exporter.registry, self.exporter.apps)
         self.tracker = OffsetTracker()
         self.exports = Exports()
         self.exporter.in_flight.set_function(lambda: self.tracker.in_flight)
@@ -380,6 +518,7 @@ class StreamRunner:
         self._producer: KafkaProducer | None = None
         self._publisher: Publisher | None = None
         self._processor: RecordProcessor | None = None
+        self._decoder: DecodeWorkers | None = None
         self._http: OperationsServer | None = None
         self._assigned: frozenset[TopicPartition] = frozenset()
         # Partitions revoked with unfinished records, and where to rewind if they come back to us
@@ -478,10 +617,13 @@ class StreamRunner:
 
             assembler = TraceAssembler(s.otlp.assembly.to_settings(),
                                        metrics=AssemblyMetrics(registry=self.registry))
+        if s.stream.decode_workers and self._decoder is None:
+            self._decoder = DecodeWorkers(s.stream.decode_workers, s.stream.app_tag,
+                                          failures=self.exporter.decode_worker_failures)
         processor = RecordProcessor(self.pipeline, self.tracker, self.exporter, results, dead_letters,
                                     formats, max_record_bytes=s.stream.max_record_bytes, exports=self.exports,
                                     assembler=assembler, judge=self.judges.submit if self.judges else None,
-                                    handlers=self.handlers)
+                                    handlers=self.handlers, decoder=self._decoder)
         self._consumer.subscribe(topics=list(formats), listener=_RebalanceListener(self))
         log.info("subscribed to %s as group %r%s; waiting for partitions",
                  ", ".join(map(str, s.stream.topics)), s.kafka.group_id,
@@ -494,7 +636,7 @@ class StreamRunner:
         assert consumer is not None
         publisher = self._publisher
         exports = self.exports
-        process = processor.process
+        process_batch = processor.process_batch
         max_in_flight = s.max_in_flight
         max_poll = self.settings.kafka.max_poll_records
         commit_every = s.commit_interval_ms / 1000
@@ -512,9 +654,8 @@ class StreamRunner:
             self._backpressure(consumer, paused=room <= 0, now=now)
             batch = consumer.poll(timeout_ms=s.poll_timeout_ms if room > 0 else 20,
                                   max_records=max(1, min(max_poll, room)))
-            for tp, records in batch.items():
-                for record in records:
-                    process(tp, record)
+            if batch:
+                process_batch(batch)
             now = time.monotonic()
             if now >= next_commit:
                 self._commit()
@@ -607,6 +748,9 @@ class StreamRunner:
             if producer is not None:
                 with _suppress_logged("closing the producer"):
                     producer.close(timeout=5)
+            if self._decoder is not None:
+                with _suppress_logged("stopping the decode workers"):
+                    self._decoder.close()
             if self.judges is not None:
                 with _suppress_logged("closing the judges"):
                     self.judges.close()

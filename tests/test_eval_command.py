@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,8 @@ RECORD = {
 
 
 def test_results_line_per_record_rejects_with_line_numbers(tmp_path):
-    src = write_lines(tmp_path / "in.jsonl", RECORD, "{not json", "", ["a", "list"], {**RECORD, "request_id": "r-2"})
+    src = write_lines(tmp_path / "in.jsonl", RECORD, "{not json", "", ["a", "list"],
+                      {**RECORD, "request_id": "r-2"})
     out, rejects = tmp_path / "out.jsonl", tmp_path / "rejects.jsonl"
     proc = run("eval", str(src), "--output", str(out), "--rejects", str(rejects))
     assert proc.returncode == 0, proc.stderr.decode()
@@ -46,12 +48,12 @@ def test_results_line_per_record_rejects_with_line_numbers(tmp_path):
     assert first["source"] == {"format": "agent_eval", "file": str(src), "line": 1, "topic": None,
                                "partition": None, "offset": None}
     rejected = [orjson.loads(line) for line in rejects.read_bytes().splitlines()]
-    assert [(r["line"], r["reason"]) for r in rejected] == [(2, "invalid_json"), (4, "unknown_format")]
+    assert [(r["line"], r["reason"]) for r in rejected] == [(2, "invalid_json"), (4, "invalid_record")]
     assert rejected[0]["record"] == "{not json"
     stderr = proc.stderr.decode()
     assert f"{src}:2: rejected (invalid_json)" in stderr
     assert f"{src}:4: rejected" in stderr
-    assert "records" in stderr and "rejected lines           2" in stderr
+    assert re.search(r"rejected lines +2\n", stderr)
     assert "mean document_recall" in stderr
 
 
@@ -72,3 +74,91 @@ def test_unreadable_input_or_bad_option_exits_2_before_writing(tmp_path):
     assert b"cannot read" in proc.stderr and b"missing.jsonl" in proc.stderr
     assert not out.exists()
     assert run("eval", str(good), "--format", "nope").returncode == 2
+
+
+def test_otlp_json_lines_are_assembled_across_lines_and_interleaved_with_other_formats(tmp_path):
+    from support.mlflow_apps import run as run_app
+    from support.otel_producers import Producer, genai_trace, interleave, kafka_messages
+
+    producer = Producer("geo-agent")
+    a = genai_trace(producer.tracer, "What is the capital of France?", "Paris.")
+    spans_a = producer.finished()
+    b = genai_trace(producer.tracer, "How many people live in Paris?", "About 2.1 million.")
+    spans_b = producer.finished()
+    # Two spans per line, the two traces interleaved: no line holds a whole trace.
+    otlp_lines = [value.decode() for _, value in
+                  kafka_messages(interleave(spans_a, spans_b), per_message=2, fmt="otlp_json")]
+    mlflow_line = run_app("rag")
+    src = write_lines(tmp_path / "mixed.jsonl", otlp_lines[0], mlflow_line, *otlp_lines[1:])
+    proc = run("eval", str(src), "--quiet")
+    assert proc.returncode == 0, proc.stderr.decode()
+    results = {r["trace_id"]: r for r in map(orjson.loads, proc.stdout.splitlines())}
+    assert len(results) == 3
+    for rec in (a, b):
+        got = results[rec.trace_id]
+        assert got["source_format"] == "otlp_json" and got["app"] == "geo-agent"
+        assert got["request"] == rec.question and got["response"] == rec.answer
+        assert got["complete"] is True
+        assert got["tokens"] == {"input": rec.input_tokens, "output": rec.output_tokens,
+                                 "total": rec.input_tokens + rec.output_tokens}
+        assert [d["doc_uri"] for d in got["retrieved_context"]] == [uri for _, uri in rec.documents]
+        assert got["source"]["line"] == 1  # the first line holding one of its spans
+    [mlflow_result] = [r for r in results.values() if r["source_format"] == "mlflow_v3"]
+    assert mlflow_result["source"]["line"] == 2 and mlflow_result["response"]
+
+
+GROUNDED = {"request": "What is the refund window?", "response": "Refunds are accepted within 30 days.",
+            "retrieved_context": [{"content": "Refunds are accepted within 30 days of purchase.",
+                                   "doc_uri": "kb://refunds"}]}
+MADE_UP = {"request": "What is the refund window?", "response": "Refunds take 90 days and cost 15 euros.",
+           "retrieved_context": [{"content": "Refunds are accepted within 30 days of purchase.",
+                                  "doc_uri": "kb://refunds"}]}
+
+
+def test_config_file_custom_metrics_judges_and_fail_under(tmp_path):
+    (tmp_path / "eval_metrics.py").write_text("def words(record):\n    return len(record.response.split())\n")
+    config = tmp_path / "tracejudge.yaml"
+    config.write_text(
+        "metrics:\n  custom:\n    - {name: words, function: 'eval_metrics:words'}\n"
+        "judges: {}\n"  # no endpoint: the model-free heuristic judges
+    )
+    src = write_lines(tmp_path / "in.jsonl", *[{**GROUNDED, "request_id": f"g{i}"} for i in range(3)],
+                      {**MADE_UP, "request_id": "m0"})
+    env_path = f"{tmp_path}"
+    proc = subprocess.run([*TRACEJUDGE, "eval", str(src), "--config", str(config), "--fail-under",
+                           "groundedness=0.5"], capture_output=True, timeout=120, check=False,
+                          env={**_env(), "PYTHONPATH": env_path})
+    assert proc.returncode == 0, proc.stderr.decode()
+    results = {r["request_id"]: r for r in map(orjson.loads, proc.stdout.splitlines())}
+    assert results["g0"]["metrics"]["words"] == 6
+    verdicts = {rid: {a["name"]: a for a in r["assessments"]} for rid, r in results.items()}
+    assert verdicts["g0"]["groundedness"]["passed"] is True
+    assert verdicts["g0"]["groundedness"]["source"] == "heuristic"
+    assert verdicts["m0"]["groundedness"]["passed"] is False
+    assert "judge groundedness" in proc.stderr.decode()
+
+    # Only the made-up answer: the mean groundedness falls under the gate -> exit 1, naming the judge.
+    bad = write_lines(tmp_path / "bad.jsonl", MADE_UP)
+    proc = subprocess.run([*TRACEJUDGE, "eval", str(bad), "--config", str(config), "--quiet",
+                           "--fail-under", "groundedness=0.5"], capture_output=True, timeout=120,
+                          check=False, env={**_env(), "PYTHONPATH": env_path})
+    assert proc.returncode == 1
+    assert b"groundedness: mean score" in proc.stderr and b"below --fail-under 0.5" in proc.stderr
+
+
+def test_fail_under_names_an_unknown_judge_and_a_bad_config_key(tmp_path):
+    src = write_lines(tmp_path / "in.jsonl", GROUNDED)
+    proc = run("eval", str(src), "--fail-under", "groundedness=0.5")
+    assert proc.returncode == 2 and b"'groundedness' is not a configured judge" in proc.stderr
+    config = tmp_path / "bad.yaml"
+    config.write_text("metrics:\n  custom:\n    - {name: x, function: 'no_such_mod_abc:f'}\n")
+    proc = run("eval", str(src), "--config", str(config))
+    assert proc.returncode == 2
+    assert b"metrics.custom[x].function" in proc.stderr and b"no_such_mod_abc" in proc.stderr
+    assert proc.stdout == b""
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("TRACEJUDGE_")}
