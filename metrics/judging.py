@@ -400,7 +400,9 @@ class JudgeRunner:
         return await self._execute(plan)
 
     def judge_sync(self, record: EvalRecord) -> list[Assessment]:
-        """Blocking `judge` for tests and scripts (not from inside a running event loop)."""
+        """Blocking `judge` for tests and scripts (runs on the runner's own loop thread)."""
+        if not self.needs_event_loop:
+            return self._judge_local(record)
         loop = self._background_loop()
         return asyncio.run_coroutine_threadsafe(self._judge_bound(record), loop).result()
 
