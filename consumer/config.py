@@ -310,9 +310,6 @@ class StreamSettings(Section):
     # them (they are re-delivered).
     shutdown_grace_seconds: float = Field(default=10.0, ge=0)
     poll_timeout_ms: int = Field(default=250, gt=0)
-    # Processes that decode and normalise records beside the poll loop (0: on the poll thread). Worth
-    # it with more than one CPU: parsing a 20 KB trace costs about what consuming it does.
-    decode_workers: int = Field(default=0, ge=0, le=64)
     lag_interval_seconds: float = Field(default=2.0, gt=0)
 
     _split = field_validator("topics", mode="before")(_split_list)

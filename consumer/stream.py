@@ -91,19 +91,11 @@ class Exports:
             self._count += 1
         return _Export(self, inner)
 
-    def _done(self, n: int = 1) -> None:
+    def _done(self) -> None:
         with self._cond:
-            self._count -= n
+            self._count -= 1
             if self._count == 0:
                 self._cond.notify_all()
-
-    def begin(self, n: int) -> None:
-        """`n` records handed to the decode workers (they finish by themselves too)."""
-        with self._cond:
-            self._count += n
-
-    def end(self, n: int) -> None:
-        self._done(n)
 
     @property
     def count(self) -> int:
@@ -130,90 +122,6 @@ class _Export:
         self._inner.release()
 
 
-_OK, _REJECTED, _BUG = 0, 1, 2
-
-
-def _normalise_one(pipeline: Pipeline, payload: bytes, fmt: str | None) -> tuple[Any, ...]:
-    # Outcomes are plain tuples: RecordError does not survive pickling (its __init__ takes 3 args).
-    try:
-        return (_OK, pipeline.normalise(payload, fmt))
-    except RecordError as exc:
-        return (_REJECTED, exc.reason, exc.message)
-    except Exception as exc:
-        return (_BUG, f"{type(exc).__name__}: {exc}")
-
-
-_worker_pipeline: Pipeline | None = None
-
-
-def _worker_init(app_tag: str | None) -> None:
-    global _worker_pipeline
-    _worker_pipeline = Pipeline(app_tag=app_tag)
-
-
-def _worker_normalise(items: list[tuple[bytes, str | None]]) -> list[tuple[Any, ...]]:
-    assert _worker_pipeline is not None
-    return [_normalise_one(_worker_pipeline, payload, fmt) for payload, fmt in items]
-
-
-def _worker_ready() -> int:
-    return os.getpid()
-
-
-class DecodeWorkers:
-    """Processes that decode and normalise records next to the poll loop.
-
-    Parsing a 20 KB MLflow trace costs about as much CPU as kafka-python spends fetching it, and in one
-    process the GIL serialises the two. Workers are spawned (not forked: the Kafka clients run
-    threads) and run `Pipeline(app_tag=...).normalise`; if one dies, decoding falls back to the poll
-    thread and `tracejudge_decode_worker_failures_total` counts it.
-    """
-
-    def __init__(self, workers: int, app_tag: str | None, failures: Any = None) -> None:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        self.workers = workers
-        self.broken = False
-        self._failures = failures
-        self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=_worker_init, initargs=(app_tag,))
-        # Start them all now (each imports tracejudge, ~1 s) rather than on the first records.
-        pids = {f.result(timeout=120) for f in [self._pool.submit(_worker_ready) for _ in range(workers * 2)]}
-        log.info("%d decode worker processes started (stream.decode_workers): pids %s", workers,
-                 ", ".join(map(str, sorted(pids))))
-
-    def submit(self, items: list[tuple[bytes, str | None]]
-               ) -> concurrent.futures.Future[list[tuple[Any, ...]]]:
-        try:
-            return self._pool.submit(_worker_normalise, items)
-        except Exception as exc:
-            failed: concurrent.futures.Future[list[tuple[Any, ...]]] = concurrent.futures.Future()
-            failed.set_exception(exc)
-            return failed
-
-    def failed(self, exc: BaseException) -> None:
-        if not self.broken:
-            log.error("decode workers failed (%s: %s); decoding on the poll thread from now on",
-                      type(exc).__name__, exc)
-        self.broken = True
-        if self._failures is not None:
-            self._failures.inc()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=False)
-
-
-class _Job:
-    __slots__ = ("fmt", "record", "source", "ticket")
-
-    def __init__(self, record: Any, source: SourceRef, ticket: Ticket, fmt: str | None) -> None:
-        self.record = record
-        self.source = source
-        self.ticket = ticket
-        self.fmt = fmt
-
-
 class RecordProcessor:
     """The per-record path: size check, decode, evaluate, judge, export, publish or dead-letter.
 
@@ -227,8 +135,7 @@ class RecordProcessor:
     def __init__(self, pipeline: Pipeline, tracker: OffsetTracker, exporter: PrometheusExporter,
                  results: ResultSink, dead_letters: DeadLetterSink, formats: Mapping[str, str], *,
                  max_record_bytes: int, exports: Exports | None = None, assembler: Any = None,
-                 judge: JudgeHook | None = None, handlers: Mapping[str, FormatHandler] | None = None,
-                 decoder: DecodeWorkers | None = None) -> None:
+                 judge: JudgeHook | None = None, handlers: Mapping[str, FormatHandler] | None = None) -> None:
         self.pipeline = pipeline
         self.tracker = tracker
         self.exporter = exporter
@@ -240,7 +147,6 @@ class RecordProcessor:
         self.assembler = assembler
         self.judge = judge
         self.handlers = dict(handlers or {})
-        self.decoder = decoder
         self._observe = exporter.processing.observe
 
     def process(self, tp: TopicPartition, record: Any) -> None:
@@ -294,72 +200,6 @@ class RecordProcessor:
         if len(value) > self.max_record_bytes:
             raise RecordError(errors.TOO_LARGE, f"{len(value)} bytes, more than stream.max_record_bytes "
                               f"({self.max_record_bytes}); not parsed")
-
-    def process_batch(self, batch: Mapping[TopicPartition, list[Any]]) -> None:
-        """A poll's records. With decode workers, single-record formats are normalised in the worker
-        processes (records complete out of order); everything else goes through `process`."""
-        decoder = self.decoder
-        if decoder is None or decoder.broken:
-            for tp, records in batch.items():
-                for record in records:
-                    self.process(tp, record)
-            return
-        jobs: list[_Job] = []
-        for tp, records in batch.items():
-            for record in records:
-                fmt = self.formats.get(record.topic, "auto")
-                if fmt in self.handlers or (fmt in otlp.FORMATS and self.assembler is not None):
-                    self.process(tp, record)
-                    continue
-                ticket = self.tracker.track(tp, record.offset)
-                source = SourceRef(format=fmt, topic=record.topic, partition=record.partition,
-                                   offset=record.offset)
-                try:
-                    self._check(record.value)
-                except RecordError as exc:
-                    self._dead_letter(record, source, exc.reason, exc.message, ticket)
-                    continue
-                jobs.append(_Job(record, source, ticket, None if fmt == "auto" else fmt))
-        if not jobs:
-            return
-        # Chunks small enough to spread over the workers, big enough to amortise the hand-over.
-        size = max(32, -(-len(jobs) // decoder.workers))
-        for i in range(0, len(jobs), size):
-            chunk = jobs[i:i + size]
-            self.exports.begin(len(chunk))
-            started = time.perf_counter()
-            future = decoder.submit([(job.record.value, job.fmt) for job in chunk])
-            future.add_done_callback(lambda f, chunk=chunk, started=started: self._decoded(f, chunk, started))
-
-    def _decoded(self, future: concurrent.futures.Future[list[tuple[Any, ...]]], jobs: list[_Job],
-                 started: float) -> None:
-        # Runs on the pool's result thread (or inline when the pool is broken).
-        try:
-            try:
-                outcomes = future.result()
-            except Exception as exc:
-                assert self.decoder is not None
-                self.decoder.failed(exc)
-                outcomes = [_normalise_one(self.pipeline, job.record.value, job.fmt) for job in jobs]
-            for job, outcome in zip(jobs, outcomes, strict=True):
-                if outcome[0] == _OK:
-                    record = outcome[1]
-                    if job.fmt is None:
-                        job.source.format = record.source_format
-                    self.emit(record, job.source, job.ticket)
-                elif outcome[0] == _REJECTED:
-                    self._dead_letter(job.record, job.source, outcome[1], outcome[2], job.ticket)
-                else:
-                    log.error("unexpected error decoding %s[%s]@%s: %s", job.source.topic,
-                              job.source.partition, job.source.offset, outcome[1])
-                    self._dead_letter(job.record, job.source, PROCESSING_ERROR, outcome[1], job.ticket)
-            elapsed = time.perf_counter() - started
-            for _ in jobs:
-                self._observe(elapsed)
-        except Exception:  # never lose the count of work in flight, whatever happened above
-            log.exception("handling decoded records failed")
-        finally:
-            self.exports.end(len(jobs))
 
     def emit(self, record: EvalRecord, source: SourceRef, ticket: Releasable, *, count: bool = True) -> None:
         """Evaluate, judge, export metrics and publish; `ticket` is released when the output is acked.
@@ -518,7 +358,6 @@ class StreamRunner:
         self._producer: KafkaProducer | None = None
         self._publisher: Publisher | None = None
         self._processor: RecordProcessor | None = None
-        self._decoder: DecodeWorkers | None = None
         self._http: OperationsServer | None = None
         self._assigned: frozenset[TopicPartition] = frozenset()
         # Partitions revoked with unfinished records, and where to rewind if they come back to us
@@ -617,13 +456,10 @@ class StreamRunner:
 
             assembler = TraceAssembler(s.otlp.assembly.to_settings(),
                                        metrics=AssemblyMetrics(registry=self.registry))
-        if s.stream.decode_workers and self._decoder is None:
-            self._decoder = DecodeWorkers(s.stream.decode_workers, s.stream.app_tag,
-                                          failures=self.exporter.decode_worker_failures)
         processor = RecordProcessor(self.pipeline, self.tracker, self.exporter, results, dead_letters,
                                     formats, max_record_bytes=s.stream.max_record_bytes, exports=self.exports,
                                     assembler=assembler, judge=self.judges.submit if self.judges else None,
-                                    handlers=self.handlers, decoder=self._decoder)
+                                    handlers=self.handlers)
         self._consumer.subscribe(topics=list(formats), listener=_RebalanceListener(self))
         log.info("subscribed to %s as group %r%s; waiting for partitions",
                  ", ".join(map(str, s.stream.topics)), s.kafka.group_id,
@@ -636,7 +472,7 @@ class StreamRunner:
         assert consumer is not None
         publisher = self._publisher
         exports = self.exports
-        process_batch = processor.process_batch
+        process = processor.process
         max_in_flight = s.max_in_flight
         max_poll = self.settings.kafka.max_poll_records
         commit_every = s.commit_interval_ms / 1000
@@ -654,8 +490,9 @@ class StreamRunner:
             self._backpressure(consumer, paused=room <= 0, now=now)
             batch = consumer.poll(timeout_ms=s.poll_timeout_ms if room > 0 else 20,
                                   max_records=max(1, min(max_poll, room)))
-            if batch:
-                process_batch(batch)
+            for tp, records in batch.items():
+                for record in records:
+                    process(tp, record)
             now = time.monotonic()
             if now >= next_commit:
                 self._commit()
@@ -748,9 +585,6 @@ class StreamRunner:
             if producer is not None:
                 with _suppress_logged("closing the producer"):
                     producer.close(timeout=5)
-            if self._decoder is not None:
-                with _suppress_logged("stopping the decode workers"):
-                    self._decoder.close()
             if self.judges is not None:
                 with _suppress_logged("closing the judges"):
                     self.judges.close()
