@@ -67,6 +67,19 @@ class EvaluationResult:
         # orjson serialises the nested dataclasses directly; no intermediate dict walk.
         return orjson.dumps(self.to_dict())
 
+    def assessment(self, name: str) -> Assessment:
+        """The assessment of judge `name`; KeyError naming the judges present when there is none."""
+        for a in self.assessments:
+            if a.name == name:
+                return a
+        raise KeyError(f"no assessment {name!r}; have {[a.name for a in self.assessments]}")
+
+    @property
+    def passed(self) -> bool:
+        """True when every judge that gave a verdict passed (skipped and errored judges do not count:
+        check `Assessment.skipped`/`error` when they matter)."""
+        return all(a.passed for a in self.assessments if a.passed is not None)
+
     @property
     def key(self) -> str | None:
         """The Kafka key of the result: the trace id, else the request id."""
