@@ -485,7 +485,8 @@ def main(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 bootstrap = broker.bootstrap_servers
                 print(f"Started a local Kafka-compatible broker (Tansu) on {bootstrap}", file=out, flush=True)
             create_topic(bootstrap, args.topic)
-            runner = start_runner(bootstrap, args.topic, args.metrics_port)
+            runner = start_runner(bootstrap, args.topic, args.metrics_port,
+                                  publish=not args.bootstrap_servers)
             stack.callback(runner.close)
             print(f"Prometheus metrics: {runner.metrics_url}", file=out, flush=True)
             print(f"Agent: {args.rate:g} traces/s to topic {args.topic!r}, {_pct(args.ungrounded_share)} "
@@ -566,13 +567,19 @@ def _quiet_client_logs() -> None:
 class EmbeddedRunner:
     """`tracejudge run`'s `StreamRunner` in a thread of the demo, with the settings a demo needs."""
 
-    def __init__(self, bootstrap_servers: str, topic: str, metrics_port: int) -> None:
+    def __init__(self, bootstrap_servers: str, topic: str, metrics_port: int, *,
+                 publish: bool = True) -> None:
         from tracejudge.consumer.config import load_settings
         from tracejudge.consumer.stream import StreamRunner
 
         # Not the environment: TRACEJUDGE_* variables meant for a real deployment (SASL, another
         # group) must not leak into a demo against its own broker.
+        # Results and dead letters go to topics of their own on the demo's broker; on someone else's
+        # Kafka the demo writes only its trace topic (dead letters are then counted and logged).
+        sinks = {"stream.results_topic": f"{topic}.results",
+                 "stream.dead_letter_topic": f"{topic}.dead-letters"} if publish else {}
         self.settings = load_settings(environ={}, overrides={
+            **sinks,
             "kafka.bootstrap_servers": bootstrap_servers,
             "kafka.client_id": "tracejudge-demo",
             "kafka.group_id": DEFAULT_GROUP,
@@ -580,8 +587,6 @@ class EmbeddedRunner:
             "kafka.session_timeout_ms": 6000,
             "kafka.heartbeat_interval_ms": 1000,
             "stream.topics": [f"{topic}:mlflow"],
-            "stream.results_topic": f"{topic}.results",
-            "stream.dead_letter_topic": f"{topic}.dead-letters",
             # The agent names its app in a trace tag; without it the app would be "experiment:1".
             "stream.app_tag": APP_TAG,
             "http.bind_address": "127.0.0.1",
@@ -627,5 +632,6 @@ class EmbeddedRunner:
                           + 10)
 
 
-def start_runner(bootstrap_servers: str, topic: str, metrics_port: int) -> EmbeddedRunner:
-    return EmbeddedRunner(bootstrap_servers, topic, metrics_port).start()
+def start_runner(bootstrap_servers: str, topic: str, metrics_port: int, *,
+                 publish: bool = True) -> EmbeddedRunner:
+    return EmbeddedRunner(bootstrap_servers, topic, metrics_port, publish=publish).start()

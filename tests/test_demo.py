@@ -125,6 +125,15 @@ def test_demo_runs_for_its_duration_serves_metrics_and_prints_a_consistent_summa
     finally:
         demo.kill()
     assert code == 0, out + err
+    try:
+        check_final_summary(out)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n--- stdout:\n{out}--- stderr:\n{err}") from None
+    # The agent traced with MLflow without writing a tracking store into the working directory.
+    assert os.listdir(tmp_path) == []
+
+
+def check_final_summary(out: str) -> None:
     produced = [int(c) for c in summary_row(out, "produced by the agent")]
     evaluated = [int(c) for c in summary_row(out, "evaluated traces")]
     ok_error = [tuple(int(x) for x in c.split(" / ")) for c in summary_row(out, "ok / error")]
@@ -144,8 +153,6 @@ def test_demo_runs_for_its_duration_serves_metrics_and_prints_a_consistent_summa
         assert cell == f"{100 * (ok - made_up) / ok:.1f}% (n={ok})"
     assert "records consumed: ok " + str(produced[0]) in out
     assert "dead letters: 0" in out
-    # The agent traced with MLflow without writing a tracking store into the working directory.
-    assert os.listdir(tmp_path) == []
 
 
 def test_ctrl_c_stops_cleanly_with_a_final_summary_and_an_external_kafka():
