@@ -96,6 +96,8 @@ class OffsetTracker:
         self._idle = threading.Condition(self._lock)
         self._parts: dict[TopicPartition, _Partition] = {}
         self._in_flight = 0
+        # Notifying a Condition costs a few microseconds per record; only pay it when someone waits.
+        self._waiters = 0
 
     def track(self, tp: TopicPartition, offset: int) -> Ticket:
         """Start tracking a fetched record. Offsets of one partition must be tracked in ascending order."""
@@ -127,7 +129,7 @@ class OffsetTracker:
                 done.remove(pending.popleft())
         else:
             part.done.add(offset)
-        if self._in_flight == 0:
+        if self._in_flight == 0 and self._waiters:
             self._idle.notify_all()
 
     def committable(
@@ -164,7 +166,7 @@ class OffsetTracker:
                 if part.pending:
                     unfinished[tp] = part.pending[0]
                     self._in_flight -= len(part.pending) - len(part.done)
-            if self._in_flight == 0:
+            if self._in_flight == 0 and self._waiters:
                 self._idle.notify_all()
         return unfinished
 
@@ -191,4 +193,8 @@ class OffsetTracker:
     def wait_idle(self, timeout: float) -> bool:
         """Block until nothing is in flight or `timeout` seconds pass; True when idle."""
         with self._lock:
-            return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
+            self._waiters += 1
+            try:
+                return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
+            finally:
+                self._waiters -= 1

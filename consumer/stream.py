@@ -84,6 +84,7 @@ class Exports:
 
     def __init__(self) -> None:
         self._count = 0
+        self._waiters = 0
         self._cond = threading.Condition(threading.Lock())
 
     def start(self, inner: Releasable) -> _Export:
@@ -94,7 +95,7 @@ class Exports:
     def _done(self) -> None:
         with self._cond:
             self._count -= 1
-            if self._count == 0:
+            if self._count == 0 and self._waiters:
                 self._cond.notify_all()
 
     @property
@@ -103,7 +104,11 @@ class Exports:
 
     def wait_idle(self, timeout: float) -> bool:
         with self._cond:
-            return self._cond.wait_for(lambda: self._count == 0, timeout)
+            self._waiters += 1
+            try:
+                return self._cond.wait_for(lambda: self._count == 0, timeout)
+            finally:
+                self._waiters -= 1
 
 
 class _Export:

@@ -12,8 +12,10 @@ names, and the `app` a record names, which is capped by `AppLabelLimiter`.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import threading
+import time
 from collections.abc import Collection
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -42,6 +44,7 @@ UNKNOWN_APP = "unknown"
 # Exemplar label names + values may not exceed 128 characters ("trace_id" is 8 of them).
 _EXEMPLAR_VALUE_MAX = 120
 _APP_VALUE_MAX = 100
+_EXEMPLAR_INTERVAL = 1.0
 
 
 class AppLabelLimiter:
@@ -87,10 +90,13 @@ class AppLabelLimiter:
 class _AppSeries:
     """The label children of one app, resolved once: `labels()` takes a lock and hashes every call."""
 
-    __slots__ = ("app", "docs", "errors", "input_tokens", "latency", "ok", "output_tokens", "ratios")
+    __slots__ = ("app", "docs", "errors", "exemplar_due", "input_tokens", "latency", "ok", "output_tokens",
+                 "ratios")
 
     def __init__(self, exp: PrometheusExporter, app: str) -> None:
         self.app = app
+        # When each latency bucket (and, last two, the ok/error counters) may take a new exemplar.
+        self.exemplar_due = [0.0] * (len(LATENCY_BUCKETS) + 3)
         self.ok = exp.traces.labels(app, "ok")
         self.errors = exp.traces.labels(app, "error")
         self.latency = exp.trace_latency.labels(app)
@@ -195,10 +201,24 @@ class PrometheusExporter:
         rec = result.record
         s = self._app_series(self.apps(rec.app))
         trace_id = rec.trace_id or rec.request_id
-        exemplar = {"trace_id": trace_id[:_EXEMPLAR_VALUE_MAX]} if trace_id else None
+        # Prometheus keeps one exemplar per series (per bucket) and scrapes every few seconds:
+        # refreshing them once a second is enough, and building one costs as much as the observation.
+        now = time.monotonic()
+        due = s.exemplar_due
+        slot = -1 if rec.failed else -2
+        exemplar = None
+        if trace_id and now >= due[slot]:
+            exemplar = {"trace_id": trace_id[:_EXEMPLAR_VALUE_MAX]}
+            due[slot] = now + _EXEMPLAR_INTERVAL
         (s.errors if rec.failed else s.ok).inc(1, exemplar)
-        if rec.latency_seconds is not None and rec.latency_seconds >= 0:
-            s.latency.observe(rec.latency_seconds, exemplar)
+        latency = rec.latency_seconds
+        if latency is not None and latency >= 0:
+            bucket = bisect.bisect_left(LATENCY_BUCKETS, latency)
+            exemplar = None
+            if trace_id and now >= due[bucket]:
+                exemplar = {"trace_id": trace_id[:_EXEMPLAR_VALUE_MAX]}
+                due[bucket] = now + _EXEMPLAR_INTERVAL
+            s.latency.observe(latency, exemplar)
         tokens = rec.tokens
         if tokens is not None:
             if tokens.input:

@@ -110,6 +110,22 @@ def test_latency_exemplar_carries_the_trace_id_in_openmetrics_only(traces):
     assert "# {" not in plain.text and value(plain.text, "tracejudge_traces_total") == 1
 
 
+def test_each_latency_bucket_keeps_a_fresh_exemplar_without_one_per_observation():
+    exporter = PrometheusExporter()
+    for trace_id, latency in (("fast-1", 0.07), ("fast-2", 0.08), ("slow-1", 25.0)):
+        exporter.export(EvaluationResult(EvalRecord(trace_id=trace_id, app="a", latency_seconds=latency),
+                                         SourceRef("agent_eval")))
+    with OperationsServer(exporter.registry, host="127.0.0.1", port=0) as server:
+        text = httpx.get(f"http://127.0.0.1:{server.port}/metrics", headers={"Accept": OPENMETRICS}).text
+    exemplars = {line.split('le="')[1].split('"')[0]: line.split('trace_id="')[1].split('"')[0]
+                 for line in text.splitlines()
+                 if line.startswith("tracejudge_trace_latency_seconds_bucket") and "# {" in line}
+    # The second fast trace came within the refresh interval: the bucket keeps the first one's; the
+    # slow trace, in another bucket, gets its own at once.
+    assert exemplars == {"0.1": "fast-1", "30.0": "slow-1"}
+    assert value(text.replace("# EOF", ""), "tracejudge_trace_latency_seconds_count") == 3
+
+
 def test_exemplar_ids_longer_than_the_limit_are_truncated_not_rejected():
     exporter = PrometheusExporter()
     exporter.export(EvaluationResult(EvalRecord(trace_id="x" * 300, latency_seconds=1.0), SourceRef("a")))
