@@ -764,7 +764,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, metavar="PORT",
                         help="port of /metrics, /healthz, /readyz (http.port, default 9464)")
     parser.add_argument("--metrics-bind-address", metavar="ADDR", help="bind address (http.bind_address)")
-    parser.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (logging.level)")
     parser.add_argument("--check-config", action="store_true",
                         help="validate the configuration, print it (secrets redacted) and exit")
 
@@ -793,13 +792,16 @@ class _JsonFormatter(logging.Formatter):
 
 
 def configure_logging(settings: LoggingSettings) -> None:
-    """Root logging for the process, unless the embedding application configured it already."""
+    """Root logging for the process: a stderr handler unless one is configured already (the
+    `tracejudge` command's), JSON lines when `logging.format` says so, and `logging.level`."""
     root = logging.getLogger()
     if not root.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(_JsonFormatter() if settings.format == "json" else
-                             logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         root.addHandler(handler)
+    if settings.format == "json":
+        for handler in root.handlers:
+            handler.setFormatter(_JsonFormatter())
     root.setLevel(settings.level)
     # kafka-python narrates every connection and join at INFO; our own lines say what matters.
     if settings.level != "DEBUG":
@@ -845,5 +847,7 @@ def main(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     _parser = argparse.ArgumentParser(prog="tracejudge run", description=__doc__.splitlines()[0])
+    # `tracejudge --log-level X run` has it on the top-level parser.
+    _parser.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (logging.level)")
     add_arguments(_parser)
     sys.exit(main(_parser.parse_args()))

@@ -17,6 +17,7 @@ SECRET = "s3cr3t-Pa55"
 
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--log-level")  # the `tracejudge` command's top-level flag
     add_arguments(parser)
     return parser.parse_args(argv)
 
@@ -63,9 +64,10 @@ def test_defaults_match_an_at_least_once_consumer():
 
 
 def test_flags_map_onto_keys():
-    args = parse("--bootstrap-servers", "b1:9092,b2:9093", "--topic", "a", "--topic", "b:inference_log",
+    args = parse("--log-level", "debug", "--bootstrap-servers", "b1:9092,b2:9093", "--topic", "a",
+                 "--topic", "b:inference_log",
                  "--group-id", "g", "--metrics-port", "9999", "--results-topic", "r",
-                 "--dead-letter-topic", "d", "--metrics-bind-address", "127.0.0.1", "--log-level", "debug")
+                 "--dead-letter-topic", "d", "--metrics-bind-address", "127.0.0.1")
     s = settings_from_args(args)
     assert s.kafka.bootstrap_servers == ["b1:9092", "b2:9093"] and s.kafka.group_id == "g"
     assert [str(t) for t in s.stream.topics] == ["a:auto", "b:inference_log"]

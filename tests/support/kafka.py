@@ -4,7 +4,7 @@
   is session-scoped and every module that imports it gets the same broker.
 - `wait_until(predicate, timeout)`: the only way tests wait (no sleeps as synchronisation).
 - producing, reading topics from the beginning, committed offsets, scraping `/metrics`.
-- `RunnerProcess`: `python -m tracejudge.consumer.stream` as a subprocess (SIGTERM / SIGKILL tests).
+- `RunnerProcess`: the real `tracejudge run` (the CLI module) as a subprocess (SIGTERM / SIGKILL tests).
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ def series(port: int, name: str, **labels: str) -> list[float]:
 
 
 class RunnerProcess:
-    """`python -m tracejudge.consumer.stream` with flags; stderr goes to a file for the assertions."""
+    """`tracejudge run` with flags, as a process; its log goes to a file for the assertions."""
 
     def __init__(self, bootstrap: str, *args: str, env: Mapping[str, str] | None = None) -> None:
         self.port = free_port()
@@ -235,7 +235,7 @@ class RunnerProcess:
         environ.update({"TRACEJUDGE_KAFKA__SESSION_TIMEOUT_MS": "6000",
                         "TRACEJUDGE_KAFKA__HEARTBEAT_INTERVAL_MS": "1000",
                         "TRACEJUDGE_HTTP__BIND_ADDRESS": "127.0.0.1", **(env or {})})
-        cmd = [sys.executable, "-m", "tracejudge.consumer.stream", "--bootstrap-servers", bootstrap,
+        cmd = [sys.executable, "-m", "tracejudge.consumer.cli", "run", "--bootstrap-servers", bootstrap,
                "--metrics-port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=environ)
 
