@@ -237,6 +237,100 @@ def _span(raw: dict[str, Any], v2: bool, ids: dict[str, str], everything: bool) 
     return span
 
 
+class _NotCanonical(Exception):
+    """The span list is not in the shape `Trace.to_json()` of MLflow >= 3.5 writes."""
+
+
+def _kind_of(raw: Any) -> SpanKind:
+    """`mlflow.spanType` as `_span` reads it when it is not one of the usual quoted names."""
+    if raw is None:
+        return _UNKNOWN
+    value = _attr(raw)
+    return _KINDS.get(value, _UNKNOWN) if type(value) is str else _UNKNOWN
+
+
+def _canonical_spans(spans_raw: list[Any], everything: bool) -> list[Span]:
+    """The spans of an MLflow 3 trace as `Trace.to_json()` writes them, ~2x faster than `_span`.
+
+    Accepts only the exact shape MLflow writes (every key present, plain ints, 12-character base64
+    ids, a status object with string code and message, an attributes object, an events list) and
+    raises `_NotCanonical` on anything else, so that `_span` — the general reader, which also
+    names what is wrong — handles every other form. For the spans it accepts it builds the same
+    `Span`s as `_span`: the checks it skips are the ones the exact shape already satisfies.
+    """
+    # Locals: global and attribute lookups are a large share of the per-span cost.
+    raw_kinds, status_of, unset, tool, retriever = _RAW_KINDS, _STATUS, _UNSET, _TOOL, _RETRIEVER
+    attr_of, usage_of, a2b = _attr, _usage, _a2b_base64
+    ids: dict[str, str] = {}  # raw base64 id -> hex; every parent id is some span's id
+    spans = []
+    try:
+        for raw in spans_raw:
+            # Subscripts, not .get(): a missing key means another writer, and `_span` reads it.
+            sid = raw["span_id"]
+            parent = raw["parent_span_id"]
+            name = raw["name"]
+            start = raw["start_time_unix_nano"]
+            end = raw["end_time_unix_nano"]
+            status = raw["status"]
+            attrs = raw["attributes"]
+            events = raw["events"]
+            if (type(start) is not int or type(end) is not int or type(name) is not str
+                    or type(status) is not dict or type(attrs) is not dict or type(events) is not list):
+                raise _NotCanonical
+            code = status["code"]
+            message = status["message"]
+            if type(code) is not str or type(message) is not str:
+                raise _NotCanonical
+            if events:
+                _check_events(events, "time_unix_nano")
+                exception = _exception(events)
+            else:
+                exception = None
+
+            span_id = ids.get(sid)
+            if span_id is None:
+                # 12 characters ending in "=" is base64 of 8 bytes, which `_span_hex` also decodes
+                # (a 16-character id could be hex, which it would not).
+                if type(sid) is not str or len(sid) != 12 or sid[11] != "=":
+                    raise _NotCanonical
+                span_id = ids[sid] = a2b(sid, strict_mode=True).hex()
+            if parent is None:
+                parent_id = None
+            else:
+                parent_id = ids.get(parent)
+                if parent_id is None:
+                    if type(parent) is not str or len(parent) != 12 or parent[11] != "=":
+                        raise _NotCanonical
+                    parent_id = ids[parent] = a2b(parent, strict_mode=True).hex()
+
+            get = attrs.get
+            kind_raw = get(SPAN_TYPE)
+            kind = raw_kinds.get(kind_raw)
+            if kind is None:
+                kind = _kind_of(kind_raw)
+            whole = everything or parent_id is None
+            inputs = attr_of(get(SPAN_INPUTS)) if whole or kind is tool else None
+            outputs = attr_of(get(SPAN_OUTPUTS)) if whole or kind is retriever else None
+            usage = get(CHAT_USAGE)
+            tool_name = None
+            if kind is tool and type(inputs) is dict:
+                # A tool span recorded by a tool-calling framework names the tool in its inputs.
+                call = inputs.get("call")
+                if type(call) is dict and type(call.get("tool_name")) is str:
+                    tool_name = call["tool_name"]
+            spans.append(Span(
+                span_id, parent_id, name, start,
+                end or None,  # MLflow reads an end time of 0 as "not ended"
+                kind, status_of.get(code, unset), message, inputs, outputs,
+                None if usage is None else usage_of(attr_of(usage)),
+                exception, None, tool_name,
+                _extra_attributes(attrs) if whole else {},
+            ))
+    except (_Malformed, KeyError, TypeError, ValueError):
+        raise _NotCanonical from None
+    return spans
+
+
 def _str_map(value: dict[str, Any] | None) -> dict[str, str]:
     if not value:
         return {}
@@ -330,8 +424,13 @@ def _parse(obj: Mapping[str, Any], app_tag: str | None, everything: bool) -> Tra
     spans_raw = obj["data"]["spans"]
     if type(raw_id) is not str or not isinstance(spans_raw, list):
         raise _Malformed
-    ids: dict[str, str] = {}
-    spans = [_span(s, v2, ids, everything) for s in spans_raw]
+    try:
+        if v2:
+            raise _NotCanonical
+        spans = _canonical_spans(spans_raw, everything)
+    except _NotCanonical:
+        ids: dict[str, str] = {}
+        spans = [_span(s, v2, ids, everything) for s in spans_raw]
 
     metadata = _str_map(_optional(info, "request_metadata" if v2 else "trace_metadata", dict))
     tags = _str_map(_optional(info, "tags", dict))
