@@ -552,7 +552,8 @@ class StreamRunner:
                 position = consumer.position(tp, timeout_ms=0)
             except Exception:  # revoked between assignment() and here, or no position yet
                 continue
-            if position is not None:
+            # position() can run a rebalance (and our listener) inside it: set only what is still ours.
+            if position is not None and tp in self._assigned:
                 self.exporter.set_lag(tp.topic, tp.partition, max(0, high - position))
 
     def _drain(self, deadline: float) -> None:

@@ -212,3 +212,17 @@ def test_a_custom_metric_that_cannot_be_imported_is_a_config_error(capsys):
         StreamRunner(s)
     assert exc.value.problems[0][0] == "metrics.custom[mine].function"
     assert "cannot import 'no_such_module_xyz'" in exc.value.problems[0][1]
+
+
+def test_the_startup_summary_names_every_setting_but_no_secret(caplog):
+    from tracejudge.consumer.stream import StreamRunner
+
+    env = {"TRACEJUDGE_KAFKA__SECURITY_PROTOCOL": "SASL_SSL",
+           "TRACEJUDGE_KAFKA__SASL_MECHANISM": "SCRAM-SHA-512",
+           "TRACEJUDGE_KAFKA__SASL_PLAIN_USERNAME": "svc", "TRACEJUDGE_KAFKA__SASL_PLAIN_PASSWORD": SECRET}
+    runner = StreamRunner(load_settings(environ=env, overrides={"stream.topics": ["traces"]}))
+    with caplog.at_level("INFO", logger="tracejudge.run"):
+        runner._log_effective_config()
+    text = caplog.text
+    assert "kafka.sasl_mechanism = SCRAM-SHA-512" in text and "stream.topics = ['traces:auto']" in text
+    assert "kafka.sasl_plain_password = **********" in text and SECRET not in text

@@ -22,6 +22,7 @@ from support.kafka import (
     produce,
     read_topic,
     running,
+    series,
     settings,
     shared_broker,
     unique,
@@ -31,6 +32,7 @@ from support.otel_producers import Producer, genai_trace, interleave, kafka_mess
 
 from tracejudge.consumer import sinks
 from tracejudge.consumer.pipeline import Pipeline
+from tracejudge.consumer.stream import StreamRunner
 from tracejudge.schemas.result import Assessment, SourceRef
 
 
@@ -60,6 +62,8 @@ def test_every_trace_is_counted_published_and_committed(broker):
     placed = produce(bs, topic, [t.payload for t in traces], keys=[t.trace_id.encode() for t in traces])
     s = settings(bs, [f"{topic}:mlflow"], **{"stream.results_topic": results, "stream.app_tag": "app",
                                             "kafka.group_id": group})
+    runner = StreamRunner(s)
+    assert runner.readiness() == (False, "connecting to Kafka")
     with running(s) as runner:
         port = runner.http_port
         wait_until(lambda: metric(port, "tracejudge_records_total", topic=topic, outcome="ok") == 60, 60)
@@ -72,6 +76,7 @@ def test_every_trace_is_counted_published_and_committed(broker):
                                == 0 for p in partitions)
                    and metric(port, "tracejudge_commits_total") >= 1, 30, message="lag reported")
         text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    assert runner.readiness() == (False, "stopping")
     assert len(out) == 60 and sorted(coordinates(out)) == sorted(placed)
     # One result per trace, keyed by its trace id, exactly what the offline pipeline computes.
     pipeline = Pipeline(app_tag="app")
@@ -209,6 +214,11 @@ def test_a_consumer_joining_mid_stream_loses_nothing_and_revocation_commits_avoi
             out = read_topic(bs, results, at_least=len(traces))
             revoked = metric(a.http_port, "tracejudge_rebalances_total", event="revoked")
             commits = metric(a.http_port, "tracejudge_commits_total")
+            # Lag series follow the assignment: a revoked partition's series is removed.
+            for runner in (a, b):
+                others = {p for p in range(partitions)} - {tp.partition for tp in runner.assignment}
+                assert all(series(runner.http_port, "tracejudge_consumer_lag_records", topic=topic,
+                                  partition=str(p)) == [] for p in others)
     assert len(placed) == len(traces)
     assert revoked >= 1 and commits >= 1
     got = coordinates(out)
