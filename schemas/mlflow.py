@@ -415,7 +415,9 @@ def _app(info: Mapping[str, Any], tags: dict[str, str], metadata: dict[str, str]
     return f"{APP_PREFIX}{experiment}" if experiment else None
 
 
-def _parse(obj: Mapping[str, Any], app_tag: str | None, everything: bool) -> Trace:
+def _parse(obj: Mapping[str, Any], app_tag: str | None, everything: bool, canonical: bool = True) -> Trace:
+    """`canonical=False` reads every span with `_span`: the reference the fast path is checked
+    against (tests/test_mlflow_fast_path.py, bench/bench_derive.py)."""
     info = obj["info"]
     if not isinstance(info, dict):
         raise _Malformed
@@ -425,7 +427,7 @@ def _parse(obj: Mapping[str, Any], app_tag: str | None, everything: bool) -> Tra
     if type(raw_id) is not str or not isinstance(spans_raw, list):
         raise _Malformed
     try:
-        if v2:
+        if v2 or not canonical:
             raise _NotCanonical
         spans = _canonical_spans(spans_raw, everything)
     except _NotCanonical:
