@@ -25,7 +25,8 @@ SUBCOMMANDS = {
 def build_parser(chosen: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tracejudge", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"tracejudge {__version__}")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    # No default here: `tracejudge run` falls back to `logging.level` from its configuration.
+    parser.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -38,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     chosen = next((a for a in argv if a in SUBCOMMANDS), None)
     args = build_parser(chosen).parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+    logging.basicConfig(level=args.log_level or "INFO", stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
     try:

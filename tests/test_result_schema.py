@@ -1,0 +1,30 @@
+"""The result line's shape: the record's fields at the top level, then source, metrics, assessments."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import orjson
+
+from tracejudge.schemas.record import Document, EvalRecord, TokenUsage, ToolCall
+from tracejudge.schemas.result import Assessment, EvaluationResult, SourceRef
+
+
+def test_to_json_is_the_documented_flat_shape():
+    result = EvaluationResult(
+        record=EvalRecord(request_id="r", trace_id="t", request="q", response="a", tokens=TokenUsage(1, 2, 3),
+                          retrieved_context=[Document("c", "u")], trajectory=[ToolCall("s", {"x": [1]})],
+                          tags={"env": "prod"}),
+        source=SourceRef(format="mlflow_v3", topic="traces", partition=2, offset=41),
+        metrics={"latency_seconds": None, "retrieved_documents": 1.0},
+        metric_errors={"mine": "ValueError: no"},
+        assessments=[Assessment("groundedness", value="yes", score=1.0, passed=True, source="heuristic")],
+    )
+    out = orjson.loads(result.to_json())
+    assert out == result.to_dict()
+    record_fields = [f.name for f in dataclasses.fields(EvalRecord)]
+    assert list(out) == [*record_fields, "source", "metrics", "metric_errors", "assessments"]
+    assert out["source"]["offset"] == 41 and out["tokens"] == {"input": 1, "output": 2, "total": 3}
+    assert out["assessments"][0]["skipped"] is None
+    assert result.key == "t"
+    assert result.assessment("groundedness").passed and result.passed
