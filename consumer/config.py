@@ -396,7 +396,7 @@ class AssemblySection(Section):
     # Emit a trace (incomplete) this long after its first span arrived, root or not.
     max_wait_s: float = Field(default=60.0, gt=0)
     max_open_traces: int = Field(default=20_000, gt=0)
-    max_spans_held: int = Field(default=500_000, gt=0)
+    max_spans_held: int = Field(default=200_000, gt=0)
     remember_emitted: int = Field(default=100_000, gt=0)
 
     @model_validator(mode="after")

@@ -459,7 +459,7 @@ class StreamRunner:
             from tracejudge.consumer.assembly import TraceAssembler
             from tracejudge.metrics.assembly_metrics import AssemblyMetrics
 
-            assembler = TraceAssembler(s.otlp.assembly.to_settings(),
+            assembler = TraceAssembler(s.otlp.assembly.to_settings(), app_tag=s.stream.app_tag,
                                        metrics=AssemblyMetrics(registry=self.registry))
         processor = RecordProcessor(self.pipeline, self.tracker, self.exporter, results, dead_letters,
                                     formats, max_record_bytes=s.stream.max_record_bytes, exports=self.exports,
