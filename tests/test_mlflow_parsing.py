@@ -23,9 +23,8 @@ from tracejudge.schemas.mlflow import parse_trace
 from tracejudge.schemas.trace import SpanKind, SpanStatus, TokenUsage
 
 MLFLOW2 = pathlib.Path(__file__).parent / "fixtures" / "mlflow2" / "traces.jsonl"
-# Returned by a real MLflow 3.17 tracking server (sqlite), with assessments; shared/ sits beside the checkout.
-SERVER_EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "examples" / \
-    "mlflow_trace_v3_example.json"
+# Returned by a real MLflow 3.17 tracking server (sqlite), with assessments.
+SERVER_EXAMPLE = pathlib.Path(__file__).parent / "fixtures" / "examples" / "mlflow_trace_v3_example.json"
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,8 @@ from tracejudge.schemas.derive import derive
 from tracejudge.schemas.record import EvalRecord, ToolCall
 from tracejudge.schemas.trace import SpanKind
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "shared" / "examples"
+# What MLflow 3.17's OTLP exporter really sent, captured by a loopback OTLP server.
+EXAMPLES = Path(__file__).parent / "fixtures" / "examples"
 
 
 def records(messages: list[bytes]) -> dict[str, EvalRecord]:
