@@ -258,11 +258,12 @@ def _canonical_spans(spans_raw: list[Any], everything: bool) -> list[Span]:
     names what is wrong — handles every other form. For the spans it accepts it builds the same
     `Span`s as `_span`: the checks it skips are the ones the exact shape already satisfies.
     """
-    # Locals: global and attribute lookups are a large share of the per-span cost.
+    # Locals and literal keys: global and attribute lookups are a large share of the per-span cost.
     raw_kinds, status_of, unset, tool, retriever = _RAW_KINDS, _STATUS, _UNSET, _TOOL, _RETRIEVER
-    attr_of, usage_of, a2b = _attr, _usage, _a2b_base64
+    attr_of, usage_of, a2b, span_of = _attr, _usage, _a2b_base64, Span
     ids: dict[str, str] = {}  # raw base64 id -> hex; every parent id is some span's id
-    spans = []
+    spans: list[Span] = []
+    append = spans.append
     try:
         for raw in spans_raw:
             # Subscripts, not .get(): a missing key means another writer, and `_span` reads it.
@@ -279,7 +280,7 @@ def _canonical_spans(spans_raw: list[Any], everything: bool) -> list[Span]:
                 raise _NotCanonical
             code = status["code"]
             message = status["message"]
-            if type(code) is not str or type(message) is not str:
+            if type(code) is not str or type(message) is not str or type(sid) is not str:
                 raise _NotCanonical
             if events:
                 _check_events(events, "time_unix_nano")
@@ -287,44 +288,51 @@ def _canonical_spans(spans_raw: list[Any], everything: bool) -> list[Span]:
             else:
                 exception = None
 
-            span_id = ids.get(sid)
-            if span_id is None:
-                # 12 characters ending in "=" is base64 of 8 bytes, which `_span_hex` also decodes
-                # (a 16-character id could be hex, which it would not).
-                if type(sid) is not str or len(sid) != 12 or sid[11] != "=":
-                    raise _NotCanonical
-                span_id = ids[sid] = a2b(sid, strict_mode=True).hex()
+            # Strict base64 that decodes to 8 bytes is exactly the 12-character form ending in "="
+            # that `_span_hex` decodes too (a 16-character id could be hex, which it would not).
+            id_bytes = a2b(sid, strict_mode=True)
+            if len(id_bytes) != 8:
+                raise _NotCanonical
+            span_id = ids[sid] = id_bytes.hex()
             if parent is None:
                 parent_id = None
             else:
                 parent_id = ids.get(parent)
-                if parent_id is None:
-                    if type(parent) is not str or len(parent) != 12 or parent[11] != "=":
+                if parent_id is None:  # a child listed before its parent
+                    if type(parent) is not str:
                         raise _NotCanonical
-                    parent_id = ids[parent] = a2b(parent, strict_mode=True).hex()
+                    id_bytes = a2b(parent, strict_mode=True)
+                    if len(id_bytes) != 8:
+                        raise _NotCanonical
+                    parent_id = ids[parent] = id_bytes.hex()
 
-            get = attrs.get
-            kind_raw = get(SPAN_TYPE)
+            kind_raw = attrs.get("mlflow.spanType")
             kind = raw_kinds.get(kind_raw)
             if kind is None:
                 kind = _kind_of(kind_raw)
-            whole = everything or parent_id is None
-            inputs = attr_of(get(SPAN_INPUTS)) if whole or kind is tool else None
-            outputs = attr_of(get(SPAN_OUTPUTS)) if whole or kind is retriever else None
-            usage = get(CHAT_USAGE)
+            usage = attrs.get("mlflow.chat.tokenUsage")
+            if parent_id is None or everything:
+                inputs = attr_of(attrs.get("mlflow.spanInputs"))
+                outputs = attr_of(attrs.get("mlflow.spanOutputs"))
+                extra = _extra_attributes(attrs)
+            else:
+                # Derivation reads the root's payloads, retrievers' outputs and tools' inputs; the
+                # rest (chat spans carrying the whole prompt, mostly) stay undecoded.
+                inputs = attr_of(attrs.get("mlflow.spanInputs")) if kind is tool else None
+                outputs = attr_of(attrs.get("mlflow.spanOutputs")) if kind is retriever else None
+                extra = {}
             tool_name = None
             if kind is tool and type(inputs) is dict:
                 # A tool span recorded by a tool-calling framework names the tool in its inputs.
                 call = inputs.get("call")
                 if type(call) is dict and type(call.get("tool_name")) is str:
                     tool_name = call["tool_name"]
-            spans.append(Span(
+            append(span_of(
                 span_id, parent_id, name, start,
                 end or None,  # MLflow reads an end time of 0 as "not ended"
                 kind, status_of.get(code, unset), message, inputs, outputs,
                 None if usage is None else usage_of(attr_of(usage)),
-                exception, None, tool_name,
-                _extra_attributes(attrs) if whole else {},
+                exception, None, tool_name, extra,
             ))
     except (_Malformed, KeyError, TypeError, ValueError):
         raise _NotCanonical from None

@@ -29,9 +29,10 @@ BASES = [TRACES[name] for name in ("rag", "multi_retriever", "tools", "wrapper_l
 
 _VALUES = st.sampled_from([
     None, "", 0, 1, -1, 1.0, 1.5, True, "12", " 42 ", "abc", [], {}, [{}], {"a": 1},
-    # ids: base64 of 8 bytes, hex, 0x-hex, base64 of other lengths, not base64
+    # ids: base64 of 8 bytes, hex, 0x-hex, base64 of other lengths (12 characters of 7 bytes too),
+    # not base64
     "AAAAAAAAAAA=", "AAAAAAAAAAB=", "a795c45134ad7ba0", "0xa795c45134ad7ba0", "AAAAAAAAAAAAAAAA",
-    "!!!!!!!!!!!=",
+    "AAAAAAAAAA==", "!!!!!!!!!!!=",
     # status codes and span types as MLflow and others write them
     "STATUS_CODE_ERROR", "ERROR", "OK", '"RETRIEVER"', '"TOOL"', '"CHAT_MODEL"', '"WORKFLOW"', "RETRIEVER",
     '"UNKNOWN"', "null", '{"input_tokens": 3}', '{"call": {"tool_name": "t"}}', '[{"page_content": "x"}]',
