@@ -25,6 +25,7 @@ from tracejudge.schemas.record import EvalRecord, ToolCall
 from tracejudge.schemas.trace import Document, Span, SpanKind, SpanStatus, TokenUsage, Trace
 
 __all__ = [
+    "HTTP_STATUS_KEYS",
     "derive",
     "documents_from_output",
     "json_text",
@@ -49,7 +50,7 @@ DOCUMENT_TEXT_KEYS = ("page_content", "content", "text")
 # Nested payloads are unwrapped at most this deep: inputs are untrusted and may nest arbitrarily.
 _MAX_DEPTH = 4
 # An HTTP status recorded on the root span (OTel semantic conventions, both generations).
-_HTTP_STATUS_KEYS = ("http.response.status_code", "http.status_code")
+HTTP_STATUS_KEYS = ("http.response.status_code", "http.status_code")
 
 
 def json_text(value: Any) -> str:
@@ -391,7 +392,7 @@ def _failure(trace: Trace, root: Span | None) -> tuple[bool | None, str | None]:
         elif root.status == _ERROR:
             error = root.status_message or "root span status is ERROR"
         else:
-            for key in _HTTP_STATUS_KEYS:
+            for key in HTTP_STATUS_KEYS:
                 code = root.attributes.get(key)
                 if isinstance(code, int) and not isinstance(code, bool) and code >= 400:
                     error = f"HTTP {code}"

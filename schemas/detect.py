@@ -28,8 +28,9 @@ from tracejudge.schemas.agent_eval import is_agent_eval_record, normalise_agent_
 from tracejudge.schemas.derive import derive
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.inference_log import is_inference_log_row, normalise_row
-from tracejudge.schemas.mlflow import is_mlflow_trace, parse_trace
+from tracejudge.schemas.mlflow import is_mlflow_trace, parse_canonical_json, parse_trace
 from tracejudge.schemas.record import EvalRecord
+from tracejudge.schemas.trace import Trace
 
 __all__ = ["FORMATS", "SPAN_FORMATS", "decode", "detect", "normalise"]
 
@@ -111,6 +112,12 @@ def normalise(payload: bytes | str | Mapping[str, Any], fmt: str | None = None, 
             raise RecordError(errors.UNKNOWN_FORMAT, f"{fmt} records are spans: they are assembled into "
                               "traces by the stream, not normalised one at a time")
         raise ValueError(f"unknown format {fmt!r}; expected one of {sorted(FORMATS | SPAN_FORMATS)}")
+    if (fmt == "auto" or fmt == "mlflow") and isinstance(payload, (bytes, str)):
+        # Most records of a trace stream are MLflow 3 traces as `Trace.to_json()` writes them; read
+        # from the bytes, their large unread payloads are never decoded (~2x less decoding work).
+        trace = parse_canonical_json(payload, app_tag=app_tag)
+        if trace is not None:
+            return _derive(trace)
     obj = decode(payload)
     kind = detect(obj) if fmt == "auto" else fmt
     try:
@@ -123,5 +130,13 @@ def normalise(payload: bytes | str | Mapping[str, Any], fmt: str | None = None, 
         raise
     except _PARSER_BUGS as exc:
         # A parser bug must not take the stream down: the record is dead-lettered with the cause.
+        raise RecordError(errors.INVALID_RECORD, f"could not normalise the record: "
+                          f"{type(exc).__name__}: {str(exc)[:160]}") from exc
+
+
+def _derive(trace: Trace) -> EvalRecord:
+    try:
+        return derive(trace)
+    except _PARSER_BUGS as exc:
         raise RecordError(errors.INVALID_RECORD, f"could not normalise the record: "
                           f"{type(exc).__name__}: {str(exc)[:160]}") from exc

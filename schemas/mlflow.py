@@ -19,11 +19,13 @@ from __future__ import annotations
 import json
 from binascii import a2b_base64 as _a2b_base64
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import orjson
 
 from tracejudge.schemas import errors
+from tracejudge.schemas.derive import HTTP_STATUS_KEYS
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.inputs import (
     MlflowTraceV2,
@@ -34,9 +36,9 @@ from tracejudge.schemas.inputs import (
     hex_id,
     time_ms,
 )
-from tracejudge.schemas.trace import Span, SpanKind, SpanStatus, TokenUsage, Trace
+from tracejudge.schemas.trace import Document, Span, SpanKind, SpanStatus, TokenUsage, Trace
 
-__all__ = ["APP_PREFIX", "is_mlflow_trace", "parse_trace"]
+__all__ = ["APP_PREFIX", "is_mlflow_trace", "parse_canonical_json", "parse_trace"]
 
 # The app of an MLflow trace with no `app_tag` match: its experiment, as "experiment:<id>" so it
 # cannot be mistaken for an endpoint or service name from another source.
@@ -339,6 +341,218 @@ def _canonical_spans(spans_raw: list[Any], everything: bool) -> list[Span]:
     return spans
 
 
+# --------------------------------------------------------------------------------------------
+# JSON bytes in `Trace.to_json()`'s exact shape, decoded by msgspec (what `normalise()` reads).
+#
+# Most of a trace's bytes are its spans' `mlflow.spanInputs`/`spanOutputs`, JSON strings that
+# derivation mostly never reads. orjson would allocate all of them; msgspec decodes the document
+# into the structs below instead, checking the declared types and decoding the base64 ids in C,
+# keeping the few attributes derivation may read as the raw bytes of their JSON text
+# (`msgspec.Raw`) and skipping every other key unread. Whatever these structs reject (other
+# shapes, bad records) is read again by the general path (orjson, `_parse`), which gives the
+# result or names the field that is wrong.
+
+# orjson, which the general path reads with, gives a float for an integer beyond 64 bits, and
+# msgspec bounds must fit an int64: times past 2**63 - 1 ns (year 2262) take the general path.
+_WireInt = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+_NO_EVENTS = msgspec.Raw(b"[]")
+
+
+class _WireStatus(msgspec.Struct, gc=False):
+    code: str
+    message: str
+
+
+# The attributes derivation reads: `mlflow.spanType` as written ('"RETRIEVER"', a JSON string),
+# payloads and usage as raw JSON text (decoded only for the spans that need them), and the root
+# span's HTTP status (the only other root attribute `derive()` reads).
+_WireAttributes = msgspec.defstruct("_WireAttributes", [
+    ("span_type", str | None, msgspec.field(name=SPAN_TYPE, default=None)),
+    ("inputs", msgspec.Raw, msgspec.field(name=SPAN_INPUTS, default=None)),
+    ("outputs", msgspec.Raw, msgspec.field(name=SPAN_OUTPUTS, default=None)),
+    ("usage", msgspec.Raw, msgspec.field(name=CHAT_USAGE, default=None)),
+    *((f"http_{i}", msgspec.Raw, msgspec.field(name=key, default=None))
+      for i, key in enumerate(HTTP_STATUS_KEYS)),
+], gc=False)
+
+
+class _WireSpan(msgspec.Struct, gc=False):
+    # Every key is required and typed as `_canonical_spans` requires it. msgspec's base64 is
+    # binascii's strict mode: standard alphabet, padded, nothing after the padding.
+    span_id: bytes
+    parent_span_id: bytes | None
+    name: str
+    start_time_unix_nano: _WireInt
+    end_time_unix_nano: _WireInt
+    status: _WireStatus
+    attributes: _WireAttributes
+    events: msgspec.Raw  # nearly always "[]"; anything else is decoded and checked as JSON
+
+
+class _WireData(msgspec.Struct, gc=False):
+    spans: list[_WireSpan]
+
+
+class _WireTrace(msgspec.Struct, gc=False):
+    info: msgspec.Raw  # small: decoded by orjson and read by the same code as the general path
+    data: _WireData
+
+
+class _WireDocumentMetadata(msgspec.Struct, gc=False):
+    doc_uri: str
+
+
+class _WireDocument(msgspec.Struct, gc=False):
+    # MLflow's `Document.to_dict()`; its other keys (id, chunk_id, score...) are skipped unread.
+    page_content: str
+    metadata: _WireDocumentMetadata
+
+
+_WIRE_DECODER = msgspec.json.Decoder(_WireTrace)
+_DOCUMENTS_DECODER = msgspec.json.Decoder(list[_WireDocument])
+# A Raw's bytes reach orjson only through memoryview(), ~200 ns each: msgspec reads the JSON
+# string holding an attribute's JSON at about orjson's speed without that toll.
+_STRING_DECODER = msgspec.json.Decoder(str)
+
+
+def _raw_attr(raw: msgspec.Raw) -> Any:
+    """`_attr` of an attribute's JSON text: the JSON string, then the JSON inside it."""
+    try:
+        text = _STRING_DECODER.decode(raw)
+    except msgspec.ValidationError:  # not a string: a value set directly on the span, kept as is
+        return orjson.loads(memoryview(raw))
+    return _attr(text)
+
+
+def _raw_documents(raw: msgspec.Raw) -> list[Document] | None:
+    """A retriever's `mlflow.spanOutputs` read straight into `Document`s when it is a list of
+    MLflow `Document.to_dict()`s (what `documents_from_output` makes of them, at ~60% of the
+    cost); None for any other form, which derivation reads from the decoded outputs."""
+    try:
+        chunks = _DOCUMENTS_DECODER.decode(_STRING_DECODER.decode(raw))
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    documents = []
+    for chunk in chunks:
+        doc_uri = chunk.metadata.doc_uri
+        if not doc_uri:  # `documents_from_output` then looks for a top-level doc_uri
+            return None
+        documents.append(Document(chunk.page_content, doc_uri))
+    return documents
+
+
+def _root_attributes(attrs: Any) -> dict[str, Any]:
+    out = {}
+    for i, key in enumerate(HTTP_STATUS_KEYS):
+        raw = getattr(attrs, f"http_{i}")
+        if raw is not None:
+            out[key] = _raw_attr(raw)
+    return out
+
+
+def _wire_spans(spans_raw: list[_WireSpan]) -> list[Span]:
+    """`_canonical_spans(..., everything=False)` over decoded structs: the same `Span`s (but for
+    retrievers' `documents` and the root's `attributes`, see `parse_canonical_json`), or
+    `_NotCanonical`. The struct types already hold what `_canonical_spans` checks with `type()`."""
+    raw_kinds, status_of, unset, unknown, tool, retriever = (
+        _RAW_KINDS, _STATUS, _UNSET, _UNKNOWN, _TOOL, _RETRIEVER)
+    attr_of, usage_of, span_of, no_events = _raw_attr, _usage, Span, _NO_EVENTS
+    ids: dict[bytes, str] = {}  # every parent id is some span's id
+    spans: list[Span] = []
+    append = spans.append
+    try:
+        for raw in spans_raw:
+            sid = raw.span_id
+            if len(sid) != 8:
+                raise _NotCanonical
+            span_id = ids[sid] = sid.hex()
+            parent = raw.parent_span_id
+            if parent is None:
+                parent_id = None
+            else:
+                parent_id = ids.get(parent)
+                if parent_id is None:  # a child listed before its parent
+                    if len(parent) != 8:
+                        raise _NotCanonical
+                    parent_id = ids[parent] = parent.hex()
+            events = raw.events
+            if events == no_events:
+                exception = None
+            else:
+                events = orjson.loads(memoryview(events))
+                if type(events) is not list:
+                    raise _NotCanonical
+                _check_events(events, "time_unix_nano")
+                exception = _exception(events)
+
+            attrs = raw.attributes
+            kind_raw = attrs.span_type
+            kind = unknown if kind_raw is None else raw_kinds.get(kind_raw)
+            if kind is None:
+                kind = _kind_of(kind_raw)
+            documents = None
+            extra: dict[str, Any] = {}
+            if parent_id is None:
+                inputs = None if attrs.inputs is None else attr_of(attrs.inputs)
+                outputs = None if attrs.outputs is None else attr_of(attrs.outputs)
+                extra = _root_attributes(attrs)
+            else:
+                # As in `_canonical_spans`: only what derivation reads of a non-root span.
+                inputs = attr_of(attrs.inputs) if kind is tool and attrs.inputs is not None else None
+                outputs = None
+                if kind is retriever and attrs.outputs is not None:
+                    documents = _raw_documents(attrs.outputs)
+                    if documents is None:
+                        outputs = attr_of(attrs.outputs)
+            tool_name = None
+            if kind is tool and type(inputs) is dict:
+                call = inputs.get("call")
+                if type(call) is dict and type(call.get("tool_name")) is str:
+                    tool_name = call["tool_name"]
+            usage = attrs.usage
+            status = raw.status
+            append(span_of(
+                span_id, parent_id, raw.name, raw.start_time_unix_nano,
+                raw.end_time_unix_nano or None,  # MLflow reads an end time of 0 as "not ended"
+                kind, status_of.get(status.code, unset), status.message, inputs, outputs,
+                None if usage is None else usage_of(attr_of(usage)),
+                exception, documents, tool_name, extra,
+            ))
+    except (_Malformed, KeyError, TypeError, ValueError, RecursionError):
+        raise _NotCanonical from None
+    return spans
+
+
+def parse_canonical_json(payload: bytes | str, *, app_tag: str | None = None) -> Trace | None:
+    """The `Trace` of an MLflow 3 trace's JSON in exactly the shape `Trace.to_json()` writes, or
+    None for anything else (another shape, another format, bad input) — then decode the payload
+    and call `parse_trace`, which reads every form and names what is wrong.
+
+    For the payloads it reads, `derive()` of the result equals `derive()` of
+    `parse_trace(orjson.loads(payload), everything=False)`. The traces differ in
+    what derivation does not read: a non-root retriever's MLflow documents are in
+    `Span.documents` rather than `Span.outputs`, and the root's `attributes` hold only its HTTP
+    status.
+    """
+    try:
+        if not payload.isascii():
+            # msgspec does not check the UTF-8 of the values it skips; the general path rejects it.
+            if type(payload) is not bytes:
+                return None
+            payload.decode()
+        wire = _WIRE_DECODER.decode(payload)
+        info = orjson.loads(memoryview(wire.info))
+        if type(info) is not dict or ("request_id" in info and "trace_id" not in info):
+            return None
+        raw_id = info["trace_id"]
+        if type(raw_id) is not str:
+            return None
+        return _trace(info, raw_id, _wire_spans(wire.data.spans), False, app_tag)
+    except (msgspec.DecodeError, UnicodeError, _NotCanonical, _Malformed, KeyError, TypeError, ValueError,
+            AttributeError, IndexError, OverflowError, RecursionError):
+        return None
+
+
 def _str_map(value: dict[str, Any] | None) -> dict[str, str]:
     if not value:
         return {}
@@ -441,7 +655,10 @@ def _parse(obj: Mapping[str, Any], app_tag: str | None, everything: bool, canoni
     except _NotCanonical:
         ids: dict[str, str] = {}
         spans = [_span(s, v2, ids, everything) for s in spans_raw]
+    return _trace(info, raw_id, spans, v2, app_tag)
 
+
+def _trace(info: dict[str, Any], raw_id: str, spans: list[Span], v2: bool, app_tag: str | None) -> Trace:
     metadata = _str_map(_optional(info, "request_metadata" if v2 else "trace_metadata", dict))
     tags = _str_map(_optional(info, "tags", dict))
     for key in _METADATA_TAGS:
