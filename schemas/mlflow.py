@@ -363,16 +363,17 @@ class _WireStatus(msgspec.Struct, gc=False):
     message: str
 
 
+# The root span's attributes `derive()` reads besides its payloads (struct field, attribute key).
+_HTTP_FIELDS = tuple((f"http_{i}", key) for i, key in enumerate(HTTP_STATUS_KEYS))
 # The attributes derivation reads: `mlflow.spanType` as written ('"RETRIEVER"', a JSON string),
 # payloads and usage as raw JSON text (decoded only for the spans that need them), and the root
-# span's HTTP status (the only other root attribute `derive()` reads).
+# span's HTTP status.
 _WireAttributes = msgspec.defstruct("_WireAttributes", [
     ("span_type", str | None, msgspec.field(name=SPAN_TYPE, default=None)),
     ("inputs", msgspec.Raw, msgspec.field(name=SPAN_INPUTS, default=None)),
     ("outputs", msgspec.Raw, msgspec.field(name=SPAN_OUTPUTS, default=None)),
     ("usage", msgspec.Raw, msgspec.field(name=CHAT_USAGE, default=None)),
-    *((f"http_{i}", msgspec.Raw, msgspec.field(name=key, default=None))
-      for i, key in enumerate(HTTP_STATUS_KEYS)),
+    *((name, msgspec.Raw, msgspec.field(name=key, default=None)) for name, key in _HTTP_FIELDS),
 ], gc=False)
 
 
@@ -443,8 +444,8 @@ def _raw_documents(raw: msgspec.Raw) -> list[Document] | None:
 
 def _root_attributes(attrs: Any) -> dict[str, Any]:
     out = {}
-    for i, key in enumerate(HTTP_STATUS_KEYS):
-        raw = getattr(attrs, f"http_{i}")
+    for name, key in _HTTP_FIELDS:
+        raw = getattr(attrs, name)
         if raw is not None:
             out[key] = _raw_attr(raw)
     return out
