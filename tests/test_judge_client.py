@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
+from support.clock import FakeClock
 from support.openai_stub import OpenAIStub, Reply, StubRequest
 
 from tracejudge.metrics.judge_client import CircuitBreaker, JudgeCallError, JudgeClient, parse_retry_after
@@ -17,20 +17,6 @@ from tracejudge.metrics.judge_config import EndpointConfig
 
 MESSAGES = [{"role": "user", "content": "Is the sky blue? Answer in JSON."}]
 SCHEMA = {"type": "object", "properties": {"result": {"type": "string"}}, "required": ["result"]}
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def stub() -> Iterator[OpenAIStub]:
-    with OpenAIStub() as s:
-        yield s
 
 
 def endpoint(stub: OpenAIStub, **kw: Any) -> EndpointConfig:

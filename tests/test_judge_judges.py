@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +24,6 @@ from tracejudge.schemas.record import Document, EvalRecord, ToolCall
 from tracejudge.schemas.result import Assessment
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "deploy" / "config" / "judges.example.yaml"
-
-
-@pytest.fixture
-def stub() -> Iterator[OpenAIStub]:
-    with OpenAIStub() as s:
-        yield s
 
 
 def rag_record(**kw: Any) -> EvalRecord:

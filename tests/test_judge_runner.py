@@ -8,33 +8,19 @@ import logging
 import shutil
 import subprocess
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from support import mlflow_apps
+from support.clock import FakeClock
 from support.openai_stub import OpenAIStub, Reply, wait_until
 
 from tracejudge.metrics.judging import JudgeRunner
 from tracejudge.schemas.detect import normalise
 from tracejudge.schemas.record import Document, EvalRecord
 from tracejudge.schemas.result import EvaluationResult, SourceRef
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 5000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def stub() -> Iterator[OpenAIStub]:
-    with OpenAIStub() as s:
-        yield s
 
 
 def record(i: int = 0, **kw: Any) -> EvalRecord:
