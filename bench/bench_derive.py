@@ -14,10 +14,10 @@ rounds, so load from other processes falls on both alike; each batch's figure is
 (process CPU time), and a side's rate is its traces over the sum of its batch figures. Prints
 records/s of both and the ratio, measured in this one run, overall and by trace size.
 
-Before timing, every corpus trace is normalised a second time through orjson and the general MLflow
-span reader (`_span`), which the msgspec path for `Trace.to_json()`'s exact shape
-(`parse_canonical_json`) stands in for, and the two records must be equal: a faster path that
-changed a result would fail here, not just in tests.
+Before timing, every corpus trace is read a second time through orjson and the general MLflow reader
+(`parse_trace`), which the msgspec path for `Trace.to_json()`'s exact shape (`parse_canonical_json`)
+stands in for, and the two records must be equal: a faster path that changed a result would fail
+here, not just in tests.
 
     python bench/bench_derive.py                  # 300 traces x 7 rounds
     python bench/bench_derive.py --traces 100 --rounds 3
@@ -61,12 +61,11 @@ def mlflow_derive(payload: bytes) -> object:
 
 
 def check_records(payloads: list[bytes]) -> int:
-    """Our fast path and the general span reader must give the same record for every trace.
-    Returns how many traces the msgspec path read (the others fell back to the general path)."""
+    """The msgspec path and the general reader must give the same record for every trace.
+    Returns how many traces the msgspec path read (the others fell back to the general reader)."""
     fast = sum(mlflow_parser.parse_canonical_json(p) is not None for p in payloads)
     for i, payload in enumerate(payloads):
-        reference = derive(mlflow_parser._parse(orjson.loads(payload), None, everything=False,
-                                                canonical=False))
+        reference = derive(mlflow_parser.parse_trace(orjson.loads(payload), everything=False))
         if normalise(payload) != reference:
             raise SystemExit(f"trace {i}: normalise() differs from the general reader's record")
     return fast

@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import orjson
-
 from tracejudge.schemas import errors
 from tracejudge.schemas.derive import (
     apply_expectations,
@@ -25,7 +23,7 @@ from tracejudge.schemas.derive import (
 )
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.inputs import AgentEvalRecord, ValidationError, describe
-from tracejudge.schemas.mlflow import parse_trace
+from tracejudge.schemas.mlflow import parse_trace, parse_trace_json
 from tracejudge.schemas.record import EvalRecord, ToolCall
 
 __all__ = ["is_agent_eval_record", "normalise_agent_eval"]
@@ -77,9 +75,7 @@ def normalise_agent_eval(obj: Mapping[str, Any], *, app_tag: str | None = None) 
     if trace_obj is None:
         return stated
     if isinstance(trace_obj, str):
-        try:
-            trace_obj = orjson.loads(trace_obj)
-        except orjson.JSONDecodeError as exc:
-            raise RecordError(errors.INVALID_JSON, str(exc), "trace") from None
-    trace = parse_trace(trace_obj, app_tag=app_tag, field="trace", everything=False)
+        trace = parse_trace_json(trace_obj, app_tag=app_tag, field="trace")
+    else:
+        trace = parse_trace(trace_obj, app_tag=app_tag, field="trace", everything=False)
     return merge(stated, derive(trace))

@@ -18,7 +18,7 @@ from tracejudge.schemas import errors
 from tracejudge.schemas.derive import derive, merge, request_text, response_text
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.inputs import InferenceLogRow, ValidationError, describe, time_ms
-from tracejudge.schemas.mlflow import parse_trace
+from tracejudge.schemas.mlflow import parse_trace, parse_trace_json
 from tracejudge.schemas.record import EvalRecord
 from tracejudge.schemas.trace import TokenUsage
 
@@ -111,17 +111,14 @@ def normalise_row(obj: Mapping[str, Any], *, app_tag: str | None = None) -> Eval
         output = response_body.get("databricks_output")
         if isinstance(output, dict):
             trace_obj = output.get("trace")
-    if isinstance(trace_obj, str):
-        try:
-            trace_obj = orjson.loads(trace_obj)
-        except orjson.JSONDecodeError as exc:
-            raise RecordError(errors.INVALID_JSON, str(exc), "response.databricks_output.trace") from None
     trace = None
-    if trace_obj is not None:
+    if isinstance(trace_obj, str):
+        trace = parse_trace_json(trace_obj, app_tag=app_tag, field="response.databricks_output.trace")
+    elif trace_obj is not None:
         trace = parse_trace(trace_obj, app_tag=app_tag, field="response.databricks_output.trace",
                             everything=False)
-        if endpoint is None:
-            endpoint = trace.metadata.get("mlflow.databricks.modelServingEndpointName")
+    if trace is not None and endpoint is None:
+        endpoint = trace.metadata.get("mlflow.databricks.modelServingEndpointName")
 
     app = None
     if app_tag:

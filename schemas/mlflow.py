@@ -1,6 +1,11 @@
 """MLflow trace JSON (`Trace.to_json()` / `to_dict()`, 3.x and 2.x) -> `Trace`.
 
-The happy path is a hand-written walk over the decoded JSON: only the attributes derivation needs
+Two readers: `parse_canonical_json` reads JSON bytes/text in exactly the shape `Trace.to_json()`
+writes with msgspec typed structs (the stream's hot path) and gives None for anything else;
+`parse_trace` reads every shape from a decoded dict and names what is wrong. Dicts always take the
+general reader; traces embedded as JSON text take `parse_trace_json` (the msgspec path first).
+
+The general reader is a hand-written walk over the decoded JSON: only the attributes derivation needs
 are JSON-decoded (`mlflow.spanType`, `mlflow.spanInputs`, `mlflow.spanOutputs`,
 `mlflow.chat.tokenUsage`) and no model is validated per span. The rules it checks are those of the
 pydantic schemas in `tracejudge.schemas.inputs` (`MlflowTraceV3`, `MlflowTraceV2`), sharing their
@@ -38,7 +43,7 @@ from tracejudge.schemas.inputs import (
 )
 from tracejudge.schemas.trace import Document, Span, SpanKind, SpanStatus, TokenUsage, Trace
 
-__all__ = ["APP_PREFIX", "is_mlflow_trace", "parse_canonical_json", "parse_trace"]
+__all__ = ["APP_PREFIX", "is_mlflow_trace", "parse_canonical_json", "parse_trace", "parse_trace_json"]
 
 # The app of an MLflow trace with no `app_tag` match: its experiment, as "experiment:<id>" so it
 # cannot be mistaken for an endpoint or service name from another source.
@@ -73,7 +78,7 @@ _UNSET = SpanStatus.UNSET
 
 
 class _Malformed(Exception):
-    """Raised inside the fast path; the caller asks the schema where the record is wrong."""
+    """Raised by the span walk; the caller asks the schema where the record is wrong."""
 
 
 def is_mlflow_trace(obj: Mapping[str, Any]) -> bool:
@@ -251,96 +256,6 @@ def _kind_of(raw: Any) -> SpanKind:
     return _KINDS.get(value, _UNKNOWN) if type(value) is str else _UNKNOWN
 
 
-def _canonical_spans(spans_raw: list[Any], everything: bool) -> list[Span]:
-    """The spans of an MLflow 3 trace as `Trace.to_json()` writes them, ~2x faster than `_span`.
-
-    Accepts only the exact shape MLflow writes (every key present, plain ints, 12-character base64
-    ids, a status object with string code and message, an attributes object, an events list) and
-    raises `_NotCanonical` on anything else, so that `_span` — the general reader, which also
-    names what is wrong — handles every other form. For the spans it accepts it builds the same
-    `Span`s as `_span`: the checks it skips are the ones the exact shape already satisfies.
-    """
-    # Locals and literal keys: global and attribute lookups are a large share of the per-span cost.
-    raw_kinds, status_of, unset, tool, retriever = _RAW_KINDS, _STATUS, _UNSET, _TOOL, _RETRIEVER
-    attr_of, usage_of, a2b, span_of = _attr, _usage, _a2b_base64, Span
-    ids: dict[str, str] = {}  # raw base64 id -> hex; every parent id is some span's id
-    spans: list[Span] = []
-    append = spans.append
-    try:
-        for raw in spans_raw:
-            # Subscripts, not .get(): a missing key means another writer, and `_span` reads it.
-            sid = raw["span_id"]
-            parent = raw["parent_span_id"]
-            name = raw["name"]
-            start = raw["start_time_unix_nano"]
-            end = raw["end_time_unix_nano"]
-            status = raw["status"]
-            attrs = raw["attributes"]
-            events = raw["events"]
-            if (type(start) is not int or type(end) is not int or type(name) is not str
-                    or type(status) is not dict or type(attrs) is not dict or type(events) is not list):
-                raise _NotCanonical
-            code = status["code"]
-            message = status["message"]
-            if type(code) is not str or type(message) is not str or type(sid) is not str:
-                raise _NotCanonical
-            if events:
-                _check_events(events, "time_unix_nano")
-                exception = _exception(events)
-            else:
-                exception = None
-
-            # Strict base64 that decodes to 8 bytes is exactly the 12-character form ending in "="
-            # that `_span_hex` decodes too (a 16-character id could be hex, which it would not).
-            id_bytes = a2b(sid, strict_mode=True)
-            if len(id_bytes) != 8:
-                raise _NotCanonical
-            span_id = ids[sid] = id_bytes.hex()
-            if parent is None:
-                parent_id = None
-            else:
-                parent_id = ids.get(parent)
-                if parent_id is None:  # a child listed before its parent
-                    if type(parent) is not str:
-                        raise _NotCanonical
-                    id_bytes = a2b(parent, strict_mode=True)
-                    if len(id_bytes) != 8:
-                        raise _NotCanonical
-                    parent_id = ids[parent] = id_bytes.hex()
-
-            kind_raw = attrs.get("mlflow.spanType")
-            kind = raw_kinds.get(kind_raw)
-            if kind is None:
-                kind = _kind_of(kind_raw)
-            usage = attrs.get("mlflow.chat.tokenUsage")
-            if parent_id is None or everything:
-                inputs = attr_of(attrs.get("mlflow.spanInputs"))
-                outputs = attr_of(attrs.get("mlflow.spanOutputs"))
-                extra = _extra_attributes(attrs)
-            else:
-                # Derivation reads the root's payloads, retrievers' outputs and tools' inputs; the
-                # rest (chat spans carrying the whole prompt, mostly) stay undecoded.
-                inputs = attr_of(attrs.get("mlflow.spanInputs")) if kind is tool else None
-                outputs = attr_of(attrs.get("mlflow.spanOutputs")) if kind is retriever else None
-                extra = {}
-            tool_name = None
-            if kind is tool and type(inputs) is dict:
-                # A tool span recorded by a tool-calling framework names the tool in its inputs.
-                call = inputs.get("call")
-                if type(call) is dict and type(call.get("tool_name")) is str:
-                    tool_name = call["tool_name"]
-            append(span_of(
-                span_id, parent_id, name, start,
-                end or None,  # MLflow reads an end time of 0 as "not ended"
-                kind, status_of.get(code, unset), message, inputs, outputs,
-                None if usage is None else usage_of(attr_of(usage)),
-                exception, None, tool_name, extra,
-            ))
-    except (_Malformed, KeyError, TypeError, ValueError):
-        raise _NotCanonical from None
-    return spans
-
-
 # --------------------------------------------------------------------------------------------
 # JSON bytes in `Trace.to_json()`'s exact shape, decoded by msgspec (what `normalise()` reads).
 #
@@ -378,8 +293,9 @@ _WireAttributes = msgspec.defstruct("_WireAttributes", [
 
 
 class _WireSpan(msgspec.Struct, gc=False):
-    # Every key is required and typed as `_canonical_spans` requires it. msgspec's base64 is
-    # binascii's strict mode: standard alphabet, padded, nothing after the padding.
+    # Every key is required and exactly typed: a span written any other way is read by `_span`.
+    # msgspec's base64 is binascii's strict mode: standard alphabet, padded, nothing after the
+    # padding, so an 8-byte id is exactly the 12-character form `_span_hex` decodes as base64.
     span_id: bytes
     parent_span_id: bytes | None
     name: str
@@ -452,9 +368,9 @@ def _root_attributes(attrs: Any) -> dict[str, Any]:
 
 
 def _wire_spans(spans_raw: list[_WireSpan]) -> list[Span]:
-    """`_canonical_spans(..., everything=False)` over decoded structs: the same `Span`s (but for
-    retrievers' `documents` and the root's `attributes`, see `parse_canonical_json`), or
-    `_NotCanonical`. The struct types already hold what `_canonical_spans` checks with `type()`."""
+    """The `Span`s `_span(..., everything=False)` builds (but for retrievers' `documents` and the
+    root's `attributes`, see `parse_canonical_json`), or `_NotCanonical`. The struct types already
+    hold the checks `_span` makes with `type()`; what they cannot state is checked here."""
     raw_kinds, status_of, unset, unknown, tool, retriever = (
         _RAW_KINDS, _STATUS, _UNSET, _UNKNOWN, _TOOL, _RETRIEVER)
     attr_of, usage_of, span_of, no_events = _raw_attr, _usage, Span, _NO_EVENTS
@@ -498,7 +414,7 @@ def _wire_spans(spans_raw: list[_WireSpan]) -> list[Span]:
                 outputs = None if attrs.outputs is None else attr_of(attrs.outputs)
                 extra = _root_attributes(attrs)
             else:
-                # As in `_canonical_spans`: only what derivation reads of a non-root span.
+                # As in `_span`: only what derivation reads of a non-root span.
                 inputs = attr_of(attrs.inputs) if kind is tool and attrs.inputs is not None else None
                 outputs = None
                 if kind is retriever and attrs.outputs is not None:
@@ -638,9 +554,7 @@ def _app(info: Mapping[str, Any], tags: dict[str, str], metadata: dict[str, str]
     return f"{APP_PREFIX}{experiment}" if experiment else None
 
 
-def _parse(obj: Mapping[str, Any], app_tag: str | None, everything: bool, canonical: bool = True) -> Trace:
-    """`canonical=False` reads every span with `_span`: the reference the fast path is checked
-    against (tests/test_mlflow_fast_path.py, bench/bench_derive.py)."""
+def _parse(obj: Mapping[str, Any], app_tag: str | None, everything: bool) -> Trace:
     info = obj["info"]
     if not isinstance(info, dict):
         raise _Malformed
@@ -649,13 +563,8 @@ def _parse(obj: Mapping[str, Any], app_tag: str | None, everything: bool, canoni
     spans_raw = obj["data"]["spans"]
     if type(raw_id) is not str or not isinstance(spans_raw, list):
         raise _Malformed
-    try:
-        if v2 or not canonical:
-            raise _NotCanonical
-        spans = _canonical_spans(spans_raw, everything)
-    except _NotCanonical:
-        ids: dict[str, str] = {}
-        spans = [_span(s, v2, ids, everything) for s in spans_raw]
+    ids: dict[str, str] = {}
+    spans = [_span(s, v2, ids, everything) for s in spans_raw]
     return _trace(info, raw_id, spans, v2, app_tag)
 
 
@@ -701,6 +610,26 @@ def parse_trace(obj: Mapping[str, Any], *, app_tag: str | None = None, field: st
     except (_Malformed, KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError,
             RecursionError) as exc:
         raise explain(obj, field, exc) from None
+
+
+def parse_trace_json(text: str, *, app_tag: str | None = None, field: str = "") -> Trace:
+    """An MLflow trace embedded as JSON text in another record (an agent-evaluation row's `trace`,
+    a serving response's `databricks_output.trace`), read for derivation: by `parse_canonical_json`
+    when it is in `Trace.to_json()`'s exact shape, else decoded by orjson and read by `parse_trace`
+    with `everything=False`. Raises `RecordError`: invalid_json at `field`, or the field that is wrong.
+
+    One difference from decoding with orjson first: a number beyond the float range under a key
+    derivation never reads is skipped by msgspec unread, so such a trace is read (as it is when it
+    is the whole payload) rather than rejected as invalid JSON.
+    """
+    trace = parse_canonical_json(text, app_tag=app_tag)
+    if trace is not None:
+        return trace
+    try:
+        obj = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise RecordError(errors.INVALID_JSON, str(exc), field or None) from None
+    return parse_trace(obj, app_tag=app_tag, field=field, everything=False)
 
 
 def explain(obj: Any, field: str, cause: BaseException | None = None) -> RecordError:

@@ -1,21 +1,22 @@
-"""The MLflow parser's fast paths for `Trace.to_json()`'s exact shape read what the general span
-reader reads.
+"""The two MLflow readers read alike: the msgspec path for `Trace.to_json()`'s exact shape and the
+general reader for every shape.
 
-`tracejudge.schemas.mlflow` reads the spans of an MLflow 3 trace with a tight loop that accepts only
-the exact shape MLflow writes and hands anything else to the general reader (`_span`). Both must
-give the same `Trace` (or the same error) for every input: checked on real traces from the `mlflow`
-package, as written and mutated at random where the two readers' checks differ (ids, times, status,
-attributes, events, missing keys).
-
-`normalise()` reads JSON bytes in that shape with msgspec (`parser.parse_canonical_json`) before
-any of this: its record must be the general reader's record, and it must give up (None) on every
-input the general reader rejects, so that the error is the general reader's.
+`normalise()` reads JSON bytes or text with `parser.parse_canonical_json` (msgspec typed structs),
+which gives None for anything not in the exact shape MLflow writes; that input, dicts, and every
+error go to `parser.parse_trace`, which reads every form and names what is wrong. The two must
+give the same `Trace` but for what `parse_canonical_json` documents it trims, the same record, and
+the msgspec path must give up on every input the general reader rejects, so that the error is the
+general reader's. Checked on real traces from the `mlflow` package, as written and mutated at
+random where the two readers' checks differ (ids, times, status, attributes, events, missing keys),
+and for traces embedded as JSON text in agent-evaluation and inference-log records.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -26,13 +27,14 @@ from support import mlflow_apps
 
 from tracejudge.schemas import errors
 from tracejudge.schemas import mlflow as parser
-from tracejudge.schemas.derive import derive
+from tracejudge.schemas.derive import HTTP_STATUS_KEYS, derive, documents_from_output
 from tracejudge.schemas.detect import normalise
 from tracejudge.schemas.errors import RecordError
+from tracejudge.schemas.trace import Trace
 
 TRACES = {name: json.loads(text) for name, text in mlflow_apps.run_all().items()}
-# Traces with every kind of span the fast path treats specially: retrievers (nested too), tools,
-# chat spans with usage, a failed root with an exception event.
+# Traces with every kind of span the msgspec path treats specially: retrievers (nested too),
+# tools, chat spans with usage, a failed root with an exception event.
 BASES = [TRACES[name] for name in ("rag", "multi_retriever", "tools", "wrapper_llm", "failing")]
 
 _VALUES = st.sampled_from([
@@ -84,54 +86,92 @@ def _mutated(draw: st.DrawFn) -> dict[str, Any]:
     return doc
 
 
-def _outcome(doc: dict[str, Any], everything: bool, canonical: bool) -> Any:
+def _general(doc: dict[str, Any]) -> Any:
     try:
-        return parser._parse(copy.deepcopy(doc), None, everything, canonical=canonical)
+        return parser.parse_trace(copy.deepcopy(doc), everything=False)
     except Exception as exc:  # the exception itself is what is compared
         return (type(exc), str(exc))
 
 
+def _result(normalise_: Callable[[], Any]) -> Any:
+    try:
+        return normalise_()
+    except RecordError as exc:
+        return (exc.reason, exc.field, exc.detail)
+
+
+def _assert_same_trace(lean: Trace, general: Trace) -> None:
+    """Equal but for what `parse_canonical_json` documents: a non-root retriever's MLflow documents
+    are in `documents` rather than `outputs`, and the root's `attributes` hold only its HTTP status."""
+    assert dataclasses.replace(lean, spans=[]) == dataclasses.replace(general, spans=[])
+    assert len(lean.spans) == len(general.spans)
+    for span, reference in zip(lean.spans, general.spans, strict=True):
+        if span.documents is not None:
+            assert span.parent_id is not None and span.outputs is None and reference.documents is None
+            assert span.documents == documents_from_output(reference.outputs)
+            span = dataclasses.replace(span, documents=None, outputs=reference.outputs)
+        if span.parent_id is None:
+            assert span.attributes == {k: v for k, v in reference.attributes.items() if k in HTTP_STATUS_KEYS}
+            span = dataclasses.replace(span, attributes=reference.attributes)
+        assert span == reference
+
+
+def _embedded(trace: Any) -> list[dict[str, Any]]:
+    """The records that carry an MLflow trace (object or JSON text) inside them."""
+    return [{"request": "q", "expected_response": "a", "trace": trace},
+            {"databricks_request_id": "r", "status_code": 200, "request": {"messages": []},
+             "response": {"choices": [], "databricks_output": {"trace": trace}}}]
+
+
 @pytest.mark.parametrize("name", sorted(TRACES))
 def test_real_traces_read_alike(name: str) -> None:
-    for everything in (False, True):
-        fast, general = (parser._parse(TRACES[name], None, everything, canonical=c) for c in (True, False))
-        assert fast == general
-        assert derive(fast) == derive(general)
+    doc = TRACES[name]
+    payload = orjson.dumps(doc)
+    general = parser.parse_trace(doc, everything=False)
+    for text in (payload, payload.decode()):
+        lean = parser.parse_canonical_json(text)
+        assert lean is not None  # the shape MLflow writes is read by the msgspec path
+        _assert_same_trace(lean, general)
+    record = derive(general)
+    assert derive(lean) == record == normalise(payload) == normalise(doc)
+    # Decoding only what derivation reads leaves the record as decoding everything does.
+    assert derive(parser.parse_trace(doc, everything=True)) == record
+    for as_object, as_text in zip(_embedded(doc), _embedded(payload.decode()), strict=True):
+        assert normalise(as_text) == normalise(as_object)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_mutated(), st.booleans())
-def test_mutated_traces_read_alike(doc: dict[str, Any], everything: bool) -> None:
-    fast, general = _outcome(doc, everything, True), _outcome(doc, everything, False)
-    assert fast == general
-    if not isinstance(fast, tuple):
-        assert derive(fast) == derive(general)
-
-
-def _general_record(doc: dict[str, Any]) -> Any:
-    try:
-        return derive(parser._parse(copy.deepcopy(doc), None, everything=False, canonical=False))
-    except Exception as exc:
-        return (type(exc), str(exc))
-
-
-@pytest.mark.parametrize("name", sorted(TRACES))
-def test_real_traces_read_from_bytes_alike(name: str) -> None:
-    payload = orjson.dumps(TRACES[name])
-    trace = parser.parse_canonical_json(payload)
-    assert trace is not None  # the shape MLflow writes is read by the msgspec path
-    assert derive(trace) == _general_record(TRACES[name]) == normalise(payload)
+@pytest.mark.parametrize("edit", [
+    lambda spans: spans[-1]["status"].update(code="STATUS_CODE_ERROR", message="boom"),
+    lambda spans: spans[-1]["attributes"].update({"custom.key": '"x"', "mlflow.spanType": '"TOOL"'}),
+    lambda spans: spans[-1]["attributes"].update({"mlflow.chat.tokenUsage": '{"input_tokens": 3}'}),
+    lambda spans: spans[-1]["attributes"].update({"mlflow.spanType": '"WORKFLOW"'}),
+    lambda spans: spans[-1].update(end_time_unix_nano=0),
+    lambda spans: spans.reverse(),  # children before their parents
+])
+def test_edits_that_keep_the_exact_shape_stay_on_the_msgspec_path(edit: Callable[[list[Any]], None]) -> None:
+    doc = copy.deepcopy(TRACES["rag"])
+    edit(doc["data"]["spans"])
+    lean = parser.parse_canonical_json(orjson.dumps(doc))
+    assert lean is not None
+    general = parser.parse_trace(doc, everything=False)
+    _assert_same_trace(lean, general)
+    assert derive(lean) == derive(general)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_mutated())
-def test_mutated_traces_read_from_bytes_alike(doc: dict[str, Any]) -> None:
-    general = _general_record(doc)
-    trace = parser.parse_canonical_json(orjson.dumps(doc))
+def test_mutated_traces_read_alike(doc: dict[str, Any]) -> None:
+    general = _general(doc)
+    payload = orjson.dumps(doc)
+    lean = parser.parse_canonical_json(payload)
     if isinstance(general, tuple):
-        assert trace is None  # the general path names what is wrong
-    elif trace is not None:
-        assert derive(trace) == general
+        assert lean is None  # the general reader names what is wrong
+    elif lean is not None:
+        _assert_same_trace(lean, general)
+        assert derive(lean) == derive(general)
+    assert _result(lambda: normalise(payload)) == _result(lambda: normalise(doc))
+    for as_object, as_text in zip(_embedded(doc), _embedded(payload.decode()), strict=True):
+        assert _result(lambda: normalise(as_text)) == _result(lambda: normalise(as_object))  # noqa: B023
 
 
 def _with_span_attribute(value: bytes) -> bytes:
@@ -147,6 +187,24 @@ def _with_span_attribute(value: bytes) -> bytes:
 def test_values_left_unread_read_as_the_general_path_reads_them(value: bytes) -> None:
     payload = _with_span_attribute(value)
     assert normalise(payload) == normalise(json.loads(payload))
+
+
+@pytest.mark.parametrize("value", [b"NaN", b'"\\ud800"'])
+def test_embedded_trace_text_orjson_rejects_is_invalid_json(value: bytes) -> None:
+    text = _with_span_attribute(value).decode()
+    for record, field in zip(_embedded(text), ("trace", "response.databricks_output.trace"), strict=True):
+        with pytest.raises(RecordError) as bad:
+            normalise(record)
+        assert (bad.value.reason, bad.value.field) == (errors.INVALID_JSON, field)
+
+
+@pytest.mark.parametrize("value", [b"1e400", b"123456789012345678901234567890"])
+def test_embedded_trace_text_with_big_numbers_left_unread_is_read(value: bytes) -> None:
+    # msgspec skips what derivation never reads: a number beyond the float range there is read as
+    # it is in a whole-payload trace (where orjson's rejection falls back to Python's json).
+    payload = _with_span_attribute(value)
+    for as_text, as_object in zip(_embedded(payload.decode()), _embedded(json.loads(payload)), strict=True):
+        assert normalise(as_text) == normalise(as_object)
 
 
 def test_bytes_left_unread_are_still_checked() -> None:
