@@ -138,20 +138,31 @@ class ComputedMetrics:
         )
 
     def compute(self, record: EvalRecord) -> tuple[dict[str, float | None], dict[str, str]]:
-        values: dict[str, float | None] = {}
+        # Runs once per consumed record: the dict is built in one literal (same key order as the result
+        # JSON always had) and the recall helper is only called when there is something to recall.
         errors: dict[str, str] = {}
-        values["latency_seconds"] = record.latency_seconds
-        values["failed"] = None if record.failed is None else float(record.failed)
+        failed = record.failed
         tokens = record.tokens
-        values["input_tokens"] = _num(tokens.input) if tokens else None
-        values["output_tokens"] = _num(tokens.output) if tokens else None
-        values["total_tokens"] = _num(tokens.total) if tokens else None
-        values["retrieved_documents"] = (
-            float(len(record.retrieved_context)) if record.retrieved_context is not None else None
-        )
-        recall = document_recall(record)
-        if recall is not None:
-            values["document_recall"] = recall
+        if tokens is not None:
+            n_in, n_out, n_total = tokens.input, tokens.output, tokens.total
+            input_tokens = None if n_in is None else float(n_in)
+            output_tokens = None if n_out is None else float(n_out)
+            total_tokens = None if n_total is None else float(n_total)
+        else:
+            input_tokens = output_tokens = total_tokens = None
+        retrieved = record.retrieved_context
+        values: dict[str, float | None] = {
+            "latency_seconds": record.latency_seconds,
+            "failed": None if failed is None else float(failed),
+            "input_tokens": input_tokens,
+            "output_tokens": output_tokens,
+            "total_tokens": total_tokens,
+            "retrieved_documents": None if retrieved is None else float(len(retrieved)),
+        }
+        if record.expected_retrieved_context:
+            recall = document_recall(record)
+            if recall is not None:
+                values["document_recall"] = recall
         reference = record.reference_trajectory
         if reference is None:
             reference = self.reference_trajectory
