@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from support.kafka import shared_broker
 from support.openai_stub import OpenAIStub
+
+from tracejudge.consumer.broker import LocalBroker
 
 
 @pytest.fixture
@@ -13,3 +16,9 @@ def stub() -> Iterator[OpenAIStub]:
     """A real OpenAI-compatible HTTP server on loopback with scripted answers."""
     with OpenAIStub() as s:
         yield s
+
+
+@pytest.fixture(scope="session")
+def broker() -> LocalBroker:
+    """One Tansu broker on a free loopback port for the whole run (topics and groups are unique per test)."""
+    return shared_broker()

@@ -8,9 +8,8 @@ import json
 import signal
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
-from support.kafka import (  # noqa: F401 - `broker` is the session fixture
+from support.kafka import (
     RunnerProcess,
-    broker,
     committed_offsets,
     produce,
     read_topic,
@@ -49,7 +48,7 @@ def all_committed(bootstrap: str, group: str, topic: str, produced: list[tuple[i
     return all(committed.get(p) == end for p, end in expected.items())
 
 
-def test_otlp_proto_and_json_topics_assemble_traces_split_over_records(broker):  # noqa: F811
+def test_otlp_proto_and_json_topics_assemble_traces_split_over_records(broker):
     """SDK traces under three conventions and MLflow's own OTLP export, split over records."""
     bootstrap = broker.bootstrap_servers
     proto_topic, json_topic, results, group = (unique("otlp-proto"), unique("otlp-json"),
@@ -118,7 +117,7 @@ def produce_to_partition_0(bootstrap: str, topic: str, values: list[bytes]) -> l
         producer.close(timeout=5)
 
 
-def test_crash_in_the_middle_of_assembly_loses_no_trace(broker):  # noqa: F811
+def test_crash_in_the_middle_of_assembly_loses_no_trace(broker):
     """SIGKILL while traces are half assembled: their records were not committed, so the restarted
     runner reads them again and every trace comes out whole."""
     bootstrap = broker.bootstrap_servers
@@ -176,7 +175,7 @@ def test_crash_in_the_middle_of_assembly_loses_no_trace(broker):  # noqa: F811
         restarted.kill()
 
 
-def test_rebalance_mid_assembly_reads_the_held_records_again(broker):  # noqa: F811
+def test_rebalance_mid_assembly_reads_the_held_records_again(broker):
     """A rebalance revokes every partition (eager assignors): traces still assembling are dropped
     unreleased, and when the partition comes back to the same runner it seeks back to their records
     (kafka-python would otherwise resume at its in-memory position and skip them)."""

@@ -24,7 +24,6 @@ from support.kafka import (
     running,
     series,
     settings,
-    shared_broker,
     unique,
     wait_until,
 )
@@ -34,11 +33,6 @@ from tracejudge.consumer import sinks
 from tracejudge.consumer.pipeline import Pipeline
 from tracejudge.consumer.stream import StreamRunner
 from tracejudge.schemas.result import Assessment, SourceRef
-
-
-@pytest.fixture(scope="session")
-def broker():
-    return shared_broker()
 
 
 def all_committed(bootstrap: str, group: str, topic: str, placed: list[tuple[int, int]]) -> bool:

@@ -6,7 +6,6 @@ import signal
 import threading
 
 import orjson
-import pytest
 from support.kafka import (
     RunnerProcess,
     agent_traces,
@@ -14,15 +13,9 @@ from support.kafka import (
     ends,
     produce,
     read_topic,
-    shared_broker,
     unique,
     wait_until,
 )
-
-
-@pytest.fixture(scope="session")
-def broker():
-    return shared_broker()
 
 
 def test_a_consumer_killed_mid_stream_and_restarted_loses_no_trace(broker):

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -48,11 +47,6 @@ def shared_broker() -> LocalBroker:
             _broker = LocalBroker().start()
             atexit.register(_broker.stop)
         return _broker
-
-
-@pytest.fixture(scope="session")
-def broker() -> LocalBroker:
-    return shared_broker()
 
 
 def unique(prefix: str) -> str:
