@@ -85,17 +85,15 @@ class Exports:
     def __init__(self) -> None:
         self._count = 0
         self._waiters = 0
-        # Per record the bare lock: entering a Condition is a Python-level call, twice per record.
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        self._cond = threading.Condition(threading.Lock())
 
     def start(self, inner: Releasable) -> _Export:
-        with self._lock:
+        with self._cond:
             self._count += 1
         return _Export(self, inner)
 
     def _done(self) -> None:
-        with self._lock:
+        with self._cond:
             self._count -= 1
             if self._count == 0 and self._waiters:
                 self._cond.notify_all()
@@ -155,9 +153,6 @@ class RecordProcessor:
         self.judge = judge
         self.handlers = dict(handlers or {})
         self._observe = exporter.processing.observe
-        # Without judges or a results topic a record's export is over before `process()` returns, on the
-        # poll thread, so no revocation or shutdown can see it in flight: it skips `Exports`.
-        self._inline = judge is None and results.topic is None
 
     def process(self, tp: TopicPartition, record: Any) -> None:
         """One fetched `ConsumerRecord`. Never raises for anything about the record."""
@@ -187,7 +182,7 @@ class RecordProcessor:
                 if fmt == "auto":
                     source.format = evaluated.source_format
                 handed_off = True
-                self.emit(evaluated, source, ticket, _inline=self._inline)
+                self.emit(evaluated, source, ticket)
         except RecordError as exc:
             if handed_off:
                 log.error("%s[%s]@%s: RecordError after its ticket was handed on: %s", record.topic,
@@ -211,8 +206,7 @@ class RecordProcessor:
             raise RecordError(errors.TOO_LARGE, f"{len(value)} bytes, more than stream.max_record_bytes "
                               f"({self.max_record_bytes}); not parsed")
 
-    def emit(self, record: EvalRecord, source: SourceRef, ticket: Releasable, *, count: bool = True,
-             _inline: bool = False) -> None:
+    def emit(self, record: EvalRecord, source: SourceRef, ticket: Releasable, *, count: bool = True) -> None:
         """Evaluate, judge, export metrics and publish; `ticket` is released when the output is acked.
         Never raises: a failure to evaluate dead-letters the record's coordinates."""
         try:
@@ -221,9 +215,6 @@ class RecordProcessor:
             log.exception("evaluating %s[%s]@%s failed", source.topic, source.partition, source.offset)
             self.dead_letters.send(source=source, reason=PROCESSING_ERROR, ticket=self.exports.start(ticket),
                                    error=f"{type(exc).__name__}: {exc}", value=None, count_record=count)
-            return
-        if _inline:
-            self._finish(result, ticket, count)
             return
         export = self.exports.start(ticket)
         if self.judge is None:
@@ -248,7 +239,7 @@ class RecordProcessor:
                           src.partition, src.offset)
         self._finish(result, export, count)
 
-    def _finish(self, result: EvaluationResult, export: Releasable, count: bool) -> None:
+    def _finish(self, result: EvaluationResult, export: _Export, count: bool) -> None:
         try:
             self.exporter.export(result)
         except Exception:  # a metrics bug must not hold the offset back
