@@ -18,7 +18,7 @@ from types import TracebackType
 from typing import Any
 
 from tracejudge.consumer.config import Settings, load_settings
-from tracejudge.consumer.pipeline import Pipeline, build_judges, build_pipeline
+from tracejudge.consumer.pipeline import Pipeline, build_judges, build_pipeline, with_judgements
 from tracejudge.metrics.judging import JudgeRunner
 from tracejudge.schemas.record import EvalRecord
 from tracejudge.schemas.result import EvaluationResult, SourceRef
@@ -61,19 +61,8 @@ class Evaluator:
         """Results in input order; judges run concurrently up to the runner's in-flight window."""
         results = (self._computed(r, i) for i, r in enumerate(records, start=1))
         if self.judges is None:
-            yield from results
-            return
-        pending: list[EvaluationResult] = []
-
-        def for_judges() -> Iterator[EvalRecord]:
-            for result in results:
-                pending.append(result)
-                yield result.record
-
-        for assessments in self.judges.judge_many(for_judges()):
-            result = pending.pop(0)
-            result.assessments = assessments
-            yield result
+            return results
+        return with_judgements(results, self.judges)
 
     def _computed(self, record: RecordLike, index: int) -> EvaluationResult:
         rec = record if isinstance(record, EvalRecord) else self.pipeline.normalise(record)

@@ -18,8 +18,7 @@ import math
 import sys
 import time
 from array import array
-from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ import orjson
 
 from tracejudge.consumer.assembly import OtlpLineAssembler
 from tracejudge.consumer.config import ConfigError, Settings, load_settings
-from tracejudge.consumer.pipeline import Pipeline, build_judges, build_pipeline
+from tracejudge.consumer.pipeline import Pipeline, build_judges, build_pipeline, with_judgements
 from tracejudge.schemas import otlp
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.result import Assessment, EvaluationResult, SourceRef
@@ -229,21 +228,6 @@ class FileEvaluation:
             }) + b"\n")
 
 
-def _judged(results: Iterable[EvaluationResult], judges: Any) -> Iterator[EvaluationResult]:
-    """Attach assessments, keeping input order while up to the runner's window of records is judged."""
-    pending: deque[EvaluationResult] = deque()
-
-    def records() -> Iterator[Any]:
-        for r in results:
-            pending.append(r)
-            yield r.record
-
-    for assessments in judges.judge_many(records()):
-        result = pending.popleft()
-        result.assessments = assessments
-        yield result
-
-
 def parse_fail_under(values: list[str], judge_names: list[str]) -> dict[str, float]:
     gates: dict[str, float] = {}
     for value in values:
@@ -287,7 +271,7 @@ def main(args: argparse.Namespace) -> int:
             return 2
         results = FileEvaluation(pipeline, settings, fmt, summary, rejects, err).results(inputs)
         if judges is not None:
-            results = _judged(results, judges)
+            results = with_judgements(results, judges)
         last_progress = started = time.monotonic()
         for result in results:
             out.write(result.to_json() + b"\n")

@@ -9,7 +9,8 @@ where records come from or where results go: sources and sinks live beside it in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from tracejudge.metrics.computed import ComputedMetrics, MetricLoadError
@@ -73,3 +74,19 @@ def build_judges(settings: Settings, registry: CollectorRegistry | None = None,
         return JudgeRunner(settings.judges, registry=registry, app_label=app_label)
     except JudgeConfigError as exc:
         raise ConfigError([(exc.key, exc.detail)]) from None
+
+
+def with_judgements(results: Iterable[EvaluationResult], judges: JudgeRunner) -> Iterator[EvaluationResult]:
+    """Attach each result's assessments, in input order, while up to the runner's window of records
+    is being judged concurrently (offline evaluation and the Python API; the stream judges per record)."""
+    pending: deque[EvaluationResult] = deque()
+
+    def records() -> Iterator[EvalRecord]:
+        for result in results:
+            pending.append(result)
+            yield result.record
+
+    for assessments in judges.judge_many(records()):
+        result = pending.popleft()
+        result.assessments = assessments
+        yield result
