@@ -4,16 +4,20 @@ MLflow JSON (3.x and 2.x), OTLP spans under the GenAI / OpenInference / Traceloo
 inference-table rows all end up as a `Trace` of `Span`s before anything is derived from them, so
 derivation (`tracejudge.schemas.derive`) is written once and cannot drift between formats.
 
-These are plain slotted dataclasses rather than pydantic models on purpose: a trace is built on the
-hot path of the stream (tens of thousands per second), and validation errors are raised by the
-parsers, which know the field and the position that was wrong.
+`Span` and `Trace` are msgspec structs rather than pydantic models or dataclasses on purpose: a trace
+is built on the hot path of the stream (tens of thousands of spans per second) and a struct's
+`__init__` runs in C, ~3x cheaper than a slotted dataclass's; they are never validated (parsers raise
+errors, knowing the field and the position that was wrong) and never serialised. `TokenUsage` and
+`Document` stay dataclasses: they are part of the `EvalRecord`, which orjson writes natively.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
+
+import msgspec
 
 
 class SpanKind(StrEnum):
@@ -64,8 +68,7 @@ class Document:
     doc_uri: str | None = None
 
 
-@dataclass(slots=True)
-class Span:
+class Span(msgspec.Struct, gc=False):
     """One span, ids as lowercase hex whatever the wire encoding was.
 
     `inputs`/`outputs` are the decoded payloads (`mlflow.spanInputs`, `input.value`, …) or None when
@@ -89,11 +92,10 @@ class Span:
     exception: str | None = None
     documents: list[Document] | None = None
     tool_name: str | None = None
-    attributes: dict[str, Any] = field(default_factory=dict)
+    attributes: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
-@dataclass(slots=True)
-class Trace:
+class Trace(msgspec.Struct, gc=False):
     """A whole trace as one source stated it. Fields a source does not state stay None."""
 
     trace_id: str
@@ -107,9 +109,9 @@ class Trace:
     duration_ms: float | None = None
     # Trace-level usage (`mlflow.trace.tokenUsage`) wins over the sum of span usage.
     token_usage: TokenUsage | None = None
-    tags: dict[str, str] = field(default_factory=dict)
-    metadata: dict[str, str] = field(default_factory=dict)
+    tags: dict[str, str] = msgspec.field(default_factory=dict)
+    metadata: dict[str, str] = msgspec.field(default_factory=dict)
     # Expectations logged on the trace as MLflow assessments (`expected_response`, `expected_facts`, …).
-    expectations: dict[str, Any] = field(default_factory=dict)
+    expectations: dict[str, Any] = msgspec.field(default_factory=dict)
     # False when trace assembly had to emit the trace before its root span or quiet period arrived.
     complete: bool = True

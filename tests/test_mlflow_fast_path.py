@@ -14,11 +14,11 @@ and for traces embedded as JSON text in agent-evaluation and inference-log recor
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -103,16 +103,16 @@ def _result(normalise_: Callable[[], Any]) -> Any:
 def _assert_same_trace(lean: Trace, general: Trace) -> None:
     """Equal but for what `parse_canonical_json` documents: a non-root retriever's MLflow documents
     are in `documents` rather than `outputs`, and the root's `attributes` hold only its HTTP status."""
-    assert dataclasses.replace(lean, spans=[]) == dataclasses.replace(general, spans=[])
+    assert msgspec.structs.replace(lean, spans=[]) == msgspec.structs.replace(general, spans=[])
     assert len(lean.spans) == len(general.spans)
     for span, reference in zip(lean.spans, general.spans, strict=True):
         if span.documents is not None:
             assert span.parent_id is not None and span.outputs is None and reference.documents is None
             assert span.documents == documents_from_output(reference.outputs)
-            span = dataclasses.replace(span, documents=None, outputs=reference.outputs)
+            span = msgspec.structs.replace(span, documents=None, outputs=reference.outputs)
         if span.parent_id is None:
             assert span.attributes == {k: v for k, v in reference.attributes.items() if k in HTTP_STATUS_KEYS}
-            span = dataclasses.replace(span, attributes=reference.attributes)
+            span = msgspec.structs.replace(span, attributes=reference.attributes)
         assert span == reference
 
 
