@@ -15,10 +15,10 @@ A field that cannot be derived is None, never guessed.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import fields, replace
 from operator import attrgetter
 from typing import Any
 
+import msgspec
 import orjson
 
 from tracejudge.schemas.record import EvalRecord, ToolCall
@@ -469,8 +469,7 @@ def merge(stated: EvalRecord, derived: EvalRecord) -> EvalRecord:
     """`stated` with its gaps filled from `derived`: a field the record states wins over one
     derived from its trace. Tags are merged, the stated ones winning; `complete` is the AND."""
     updates: dict[str, Any] = {}
-    for f in fields(EvalRecord):
-        name = f.name
+    for name in EvalRecord.__struct_fields__:
         if name == "tags":
             updates["tags"] = {**derived.tags, **stated.tags}
         elif name == "complete":
@@ -480,4 +479,4 @@ def merge(stated: EvalRecord, derived: EvalRecord) -> EvalRecord:
                              else derived.source_format)
         elif getattr(stated, name) is None:
             updates[name] = getattr(derived, name)
-    return replace(stated, **updates)
+    return msgspec.structs.replace(stated, **updates)

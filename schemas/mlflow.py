@@ -349,12 +349,10 @@ def _raw_documents(raw: msgspec.Raw) -> list[Document] | None:
         chunks = _DOCUMENTS_DECODER.decode(_STRING_DECODER.decode(raw))
     except (msgspec.DecodeError, RecursionError):
         return None
-    documents = []
-    for chunk in chunks:
-        doc_uri = chunk.metadata.doc_uri
-        if not doc_uri:  # `documents_from_output` then looks for a top-level doc_uri
+    documents = [Document(chunk.page_content, chunk.metadata.doc_uri) for chunk in chunks]
+    for document in documents:
+        if not document.doc_uri:  # `documents_from_output` then looks for a top-level doc_uri
             return None
-        documents.append(Document(chunk.page_content, doc_uri))
     return documents
 
 

@@ -4,31 +4,31 @@ One `EvalRecord` per evaluated request. Metrics and judges read only this, so of
 Kafka stream and the Python API score the same thing the same way. Fields that the input neither
 states nor lets us derive are None, never guessed.
 
-Dataclasses, not pydantic: records are built per trace on the hot path and serialised with orjson,
-which writes slotted dataclasses natively. Input validation (with field-naming errors) happens in the
-parsers, against the pydantic input schemas in `tracejudge.schemas.inputs`.
+msgspec structs, not pydantic models or dataclasses: records are built per trace on the hot path, a
+struct's `__init__` runs in C, and msgspec writes them as JSON natively (`EvaluationResult.to_json`);
+`msgspec.to_builtins(record)` gives plain dicts. Input validation (with field-naming errors) happens
+in the parsers, against the pydantic input schemas in `tracejudge.schemas.inputs`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from tracejudge.schemas.trace import Document, TokenUsage
 
 __all__ = ["Document", "EvalRecord", "TokenUsage", "ToolCall"]
 
 
-@dataclass(slots=True)
-class ToolCall:
+class ToolCall(msgspec.Struct, gc=False):
     """One step of a trajectory. Two calls are equal when name and input are equal."""
 
     tool_name: str
     tool_input: Any = None
 
 
-@dataclass(slots=True)
-class EvalRecord:
+class EvalRecord(msgspec.Struct):
     request_id: str | None = None
     trace_id: str | None = None
     # Bounded later (Prometheus label cap); here it is what the source said.
@@ -52,6 +52,6 @@ class EvalRecord:
     # Request start, seconds since the epoch, when the source states it.
     timestamp: float | None = None
     # Trace tags / attributes usable in sampling filters (string values only).
-    tags: dict[str, str] = field(default_factory=dict)
+    tags: dict[str, str] = msgspec.field(default_factory=dict)
     # False when the trace was emitted by assembly before it was known to be whole.
     complete: bool = True

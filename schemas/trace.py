@@ -4,16 +4,14 @@ MLflow JSON (3.x and 2.x), OTLP spans under the GenAI / OpenInference / Traceloo
 inference-table rows all end up as a `Trace` of `Span`s before anything is derived from them, so
 derivation (`tracejudge.schemas.derive`) is written once and cannot drift between formats.
 
-`Span` and `Trace` are msgspec structs rather than pydantic models or dataclasses on purpose: a trace
-is built on the hot path of the stream (tens of thousands of spans per second) and a struct's
-`__init__` runs in C, ~3x cheaper than a slotted dataclass's; they are never validated (parsers raise
-errors, knowing the field and the position that was wrong) and never serialised. `TokenUsage` and
-`Document` stay dataclasses: they are part of the `EvalRecord`, which orjson writes natively.
+These are msgspec structs rather than pydantic models or dataclasses on purpose: a trace is built on
+the hot path of the stream (tens of thousands of spans per second) and a struct's `__init__` runs in
+C, ~3x cheaper than a slotted dataclass's. They are never validated: the parsers raise the errors,
+knowing the field and the position that was wrong.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -45,8 +43,7 @@ class SpanStatus(StrEnum):
     UNSET = "UNSET"
 
 
-@dataclass(slots=True)
-class TokenUsage:
+class TokenUsage(msgspec.Struct, gc=False):
     """Token counts; any of them may be unknown (None), never guessed."""
 
     input: int | None = None
@@ -60,8 +57,7 @@ class TokenUsage:
         return self
 
 
-@dataclass(slots=True)
-class Document:
+class Document(msgspec.Struct, gc=False):
     """One retrieved chunk: MLflow's `{content, doc_uri}` shape."""
 
     content: str | None

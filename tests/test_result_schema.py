@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import orjson
 
 from tracejudge.schemas.record import Document, EvalRecord, TokenUsage, ToolCall
@@ -22,7 +20,7 @@ def test_to_json_is_the_documented_flat_shape():
     )
     out = orjson.loads(result.to_json())
     assert out == result.to_dict()
-    record_fields = [f.name for f in dataclasses.fields(EvalRecord)]
+    record_fields = list(EvalRecord.__struct_fields__)
     assert list(out) == [*record_fields, "source", "metrics", "metric_errors", "assessments"]
     assert out["source"]["offset"] == 41 and out["tokens"] == {"input": 1, "output": 2, "total": 3}
     assert out["assessments"][0]["skipped"] is None
