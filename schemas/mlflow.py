@@ -365,13 +365,35 @@ def _root_attributes(attrs: Any) -> dict[str, Any]:
     return out
 
 
-def _wire_spans(spans_raw: list[_WireSpan]) -> list[Span]:
-    """The `Span`s `_span(..., everything=False)` builds (but for retrievers' `documents` and the
-    root's `attributes`, see `parse_canonical_json`), or `_NotCanonical`. The struct types already
-    hold the checks `_span` makes with `type()`; what they cannot state is checked here."""
+def _events_exception(events: msgspec.Raw) -> str | None:
+    decoded = orjson.loads(memoryview(events))
+    if type(decoded) is not list:
+        raise _NotCanonical
+    _check_events(decoded, "time_unix_nano")
+    return _exception(decoded)
+
+
+def _tool_name(inputs: Any) -> str | None:
+    """A tool span recorded by a tool-calling framework names the tool in its inputs."""
+    if type(inputs) is dict:
+        call = inputs.get("call")
+        if type(call) is dict and type(call.get("tool_name")) is str:
+            return call["tool_name"]
+    return None
+
+
+def _wire_spans(spans_raw: list[_WireSpan], span_usage: bool) -> list[Span]:
+    """The `Span`s `_span(..., everything=False)` builds (but for what `parse_canonical_json`
+    documents), or `_NotCanonical`. The struct types already hold the checks `_span` makes with
+    `type()`; what they cannot state is checked here. `span_usage=False` leaves the spans' token
+    usage unread (derivation reads it only when the trace does not state its own).
+
+    The stream's hottest loop: most spans (chat models, chains) need nothing past the `Span` call,
+    and the payload decoding is inlined for the common case, its fallbacks in `_raw_attr`."""
     raw_kinds, status_of, unset, unknown, tool, retriever = (
         _RAW_KINDS, _STATUS, _UNSET, _UNKNOWN, _TOOL, _RETRIEVER)
-    attr_of, usage_of, span_of, no_events = _raw_attr, _usage, Span, _NO_EVENTS
+    span_of, no_events, text_of, loads = Span, _NO_EVENTS, _STRING_DECODER.decode, orjson.loads
+    inline_errors = (msgspec.ValidationError, orjson.JSONDecodeError)
     ids: dict[bytes, str] = {}  # every parent id is some span's id
     spans: list[Span] = []
     append = spans.append
@@ -391,48 +413,43 @@ def _wire_spans(spans_raw: list[_WireSpan]) -> list[Span]:
                         raise _NotCanonical
                     parent_id = ids[parent] = parent.hex()
             events = raw.events
-            if events == no_events:
-                exception = None
-            else:
-                events = orjson.loads(memoryview(events))
-                if type(events) is not list:
-                    raise _NotCanonical
-                _check_events(events, "time_unix_nano")
-                exception = _exception(events)
-
             attrs = raw.attributes
             kind_raw = attrs.span_type
             kind = unknown if kind_raw is None else raw_kinds.get(kind_raw)
             if kind is None:
                 kind = _kind_of(kind_raw)
-            documents = None
-            extra: dict[str, Any] = {}
-            if parent_id is None:
-                inputs = None if attrs.inputs is None else attr_of(attrs.inputs)
-                outputs = None if attrs.outputs is None else attr_of(attrs.outputs)
-                extra = _root_attributes(attrs)
-            else:
-                # As in `_span`: only what derivation reads of a non-root span.
-                inputs = attr_of(attrs.inputs) if kind is tool and attrs.inputs is not None else None
-                outputs = None
-                if kind is retriever and attrs.outputs is not None:
-                    documents = _raw_documents(attrs.outputs)
-                    if documents is None:
-                        outputs = attr_of(attrs.outputs)
-            tool_name = None
-            if kind is tool and type(inputs) is dict:
-                call = inputs.get("call")
-                if type(call) is dict and type(call.get("tool_name")) is str:
-                    tool_name = call["tool_name"]
-            usage = attrs.usage
             status = raw.status
-            append(span_of(
+            span = span_of(
                 span_id, parent_id, raw.name, raw.start_time_unix_nano,
                 raw.end_time_unix_nano or None,  # MLflow reads an end time of 0 as "not ended"
-                kind, status_of.get(status.code, unset), status.message, inputs, outputs,
-                None if usage is None else usage_of(attr_of(usage)),
-                exception, documents, tool_name, extra,
-            ))
+                kind, status_of.get(status.code, unset), status.message, None, None, None,
+                None if events == no_events else _events_exception(events),
+            )
+            append(span)
+            # As in `_span`: the root's payloads, tools' inputs and retrievers' outputs.
+            if parent_id is None:
+                if attrs.inputs is not None:
+                    span.inputs = _raw_attr(attrs.inputs)
+                if attrs.outputs is not None:
+                    span.outputs = _raw_attr(attrs.outputs)
+                span.attributes = _root_attributes(attrs)
+                if kind is tool:
+                    span.tool_name = _tool_name(span.inputs)
+            elif kind is tool:
+                raw_inputs = attrs.inputs
+                if raw_inputs is not None:
+                    try:
+                        inputs = span.inputs = loads(text_of(raw_inputs))
+                    except inline_errors:
+                        inputs = span.inputs = _raw_attr(raw_inputs)
+                    if type(inputs) is dict and "call" in inputs:
+                        span.tool_name = _tool_name(inputs)
+            elif kind is retriever and attrs.outputs is not None:
+                documents = span.documents = _raw_documents(attrs.outputs)
+                if documents is None:
+                    span.outputs = _raw_attr(attrs.outputs)
+            if span_usage and attrs.usage is not None:
+                span.token_usage = _usage(_raw_attr(attrs.usage))
     except (_Malformed, KeyError, TypeError, ValueError, RecursionError):
         raise _NotCanonical from None
     return spans
@@ -446,8 +463,8 @@ def parse_canonical_json(payload: bytes | str, *, app_tag: str | None = None) ->
     For the payloads it reads, `derive()` of the result equals `derive()` of
     `parse_trace(orjson.loads(payload), everything=False)`. The traces differ in
     what derivation does not read: a non-root retriever's MLflow documents are in
-    `Span.documents` rather than `Span.outputs`, and the root's `attributes` hold only its HTTP
-    status.
+    `Span.documents` rather than `Span.outputs`, the root's `attributes` hold only its HTTP
+    status, and when the trace states its token usage the spans' `token_usage` is left None.
     """
     try:
         if not payload.isascii():
@@ -462,7 +479,12 @@ def parse_canonical_json(payload: bytes | str, *, app_tag: str | None = None) ->
         raw_id = info["trace_id"]
         if type(raw_id) is not str:
             return None
-        return _trace(info, raw_id, _wire_spans(wire.data.spans), False, app_tag)
+        # Trace-level usage, when stated, is what derivation reports: span usage goes unread.
+        # (`_trace` reads it the same way: a string holding a usage object.)
+        metadata = info.get("trace_metadata")
+        stated = metadata.get(TRACE_USAGE) if type(metadata) is dict else None
+        span_usage = type(stated) is not str or _usage(_attr(stated)) is None
+        return _trace(info, raw_id, _wire_spans(wire.data.spans, span_usage), False, app_tag)
     except (msgspec.DecodeError, UnicodeError, _NotCanonical, _Malformed, KeyError, TypeError, ValueError,
             AttributeError, IndexError, OverflowError, RecursionError):
         return None
