@@ -260,7 +260,7 @@ def documents_from_output(output: Any) -> list[Document]:
 def top_level_retrievers(spans: list[Span]) -> list[Span]:
     """RETRIEVER spans with no RETRIEVER ancestor (a retriever calling a retriever counts once)."""
     retrievers = [s for s in spans if s.kind == _RETRIEVER]
-    if not retrievers:  # most traces of a plain chat app: no id map to build
+    if len(retrievers) < 2:  # a retriever can only be nested under another: no id map to build
         return retrievers
     by_id = {s.span_id: s for s in spans}
     limit = len(spans)
