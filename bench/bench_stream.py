@@ -12,10 +12,14 @@ consumer group:
 
 A mode's rate is records / (time from its first record to its last one done), so the group join is
 left out; its CPU is this process's CPU time (all threads) over the same span, per record. Both are
-medians over the rounds. The CPU ratio is the steadier figure on a shared machine: the wall-clock
-rates move with whatever else runs on it.
+medians over the rounds (five by default: raw's own rate has been seen to swing 2.8k–10k/s between
+rounds on a shared 2-core machine). The CPU ratio is the steadier figure: the wall-clock rates move
+with whatever else runs on the machine.
 
-    python bench/bench_stream.py                       # 6,000 records x 3 rounds
+Both modes run in this one process, so they share its allocator settings: the Dockerfile's
+GLIBC_TUNABLES (see there) speed both up, and the comparison stays like with like.
+
+    python bench/bench_stream.py                       # 6,000 records x 5 rounds
     python bench/bench_stream.py --records 3000 --rounds 2
 """
 
@@ -132,7 +136,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=6000)
     parser.add_argument("--distinct", type=int, default=150, help="distinct traces, repeated to --records")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     for name in ("kafka", "tracejudge"):
