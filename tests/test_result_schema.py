@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import orjson
 
 from tracejudge.schemas.record import Document, EvalRecord, TokenUsage, ToolCall
@@ -26,3 +28,16 @@ def test_to_json_is_the_documented_flat_shape():
     assert out["assessments"][0]["skipped"] is None
     assert result.key == "t"
     assert result.assessment("groundedness").passed and result.passed
+
+
+def test_to_json_writes_what_a_payload_or_custom_metric_can_hold():
+    # Payloads are decoded JSON (integers of any size) and custom code may put other objects in a
+    # record: the result line is still written, odd objects as their str().
+    class Ticket:
+        def __str__(self) -> str:
+            return "ticket-7"
+
+    record = EvalRecord(request_id="r", trajectory=[ToolCall("s", {"n": 2**70, "ref": Ticket()})])
+    result = EvaluationResult(record=record, source=SourceRef(format="agent_eval"))
+    out = json.loads(result.to_json())
+    assert out["trajectory"] == [{"tool_name": "s", "tool_input": {"n": 2**70, "ref": "ticket-7"}}]
