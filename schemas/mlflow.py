@@ -236,11 +236,8 @@ def _span(raw: dict[str, Any], v2: bool, ids: dict[str, str], everything: bool) 
     )
     if whole:
         span.attributes = _extra_attributes(attrs)
-    if kind is _TOOL and type(inputs) is dict:
-        # A tool span recorded by a tool-calling framework names the tool in its inputs.
-        call = inputs.get("call")
-        if type(call) is dict and type(call.get("tool_name")) is str:
-            span.tool_name = call["tool_name"]
+    if kind is _TOOL:
+        span.tool_name = _tool_name(inputs)
     return span
 
 
