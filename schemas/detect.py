@@ -29,7 +29,7 @@ from tracejudge.schemas.derive import derive
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.inference_log import is_inference_log_row, normalise_row
 from tracejudge.schemas.mlflow import is_mlflow_trace, parse_canonical_json, parse_trace
-from tracejudge.schemas.record import EvalRecord
+from tracejudge.schemas.record import EvalRecord, with_valid_text
 from tracejudge.schemas.trace import Trace
 
 __all__ = ["FORMATS", "SPAN_FORMATS", "decode", "detect", "normalise"]
@@ -106,7 +106,14 @@ def normalise(payload: bytes | str | Mapping[str, Any], fmt: str | None = None, 
     Every problem with the record raises `RecordError` naming the field; an unknown `fmt` is a
     programming error (`ValueError`).
     """
-    fmt = fmt or "auto"
+    record = _normalise(payload, fmt or "auto", app_tag)
+    # JSON bytes can only hold a lone surrogate as an escape: most records skip the check.
+    if not isinstance(payload, (bytes, bytearray)) or b"\\ud" in payload or b"\\uD" in payload:
+        record = with_valid_text(record)
+    return record
+
+
+def _normalise(payload: bytes | str | Mapping[str, Any], fmt: str, app_tag: str | None) -> EvalRecord:
     if fmt not in FORMATS:
         if fmt in SPAN_FORMATS:
             raise RecordError(errors.UNKNOWN_FORMAT, f"{fmt} records are spans: they are assembled into "

@@ -12,13 +12,14 @@ in the parsers, against the pydantic input schemas in `tracejudge.schemas.inputs
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
 
 from tracejudge.schemas.trace import Document, TokenUsage
 
-__all__ = ["Document", "EvalRecord", "TokenUsage", "ToolCall"]
+__all__ = ["Document", "EvalRecord", "TokenUsage", "ToolCall", "with_valid_text"]
 
 
 class ToolCall(msgspec.Struct, gc=False):
@@ -55,3 +56,33 @@ class EvalRecord(msgspec.Struct):
     tags: dict[str, str] = msgspec.field(default_factory=dict)
     # False when the trace was emitted by assembly before it was known to be whole.
     complete: bool = True
+
+
+_CHECK = msgspec.json.Encoder(enc_hook=str)
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def with_valid_text(record: EvalRecord) -> EvalRecord:
+    """`record`, or a copy with every lone surrogate replaced by U+FFFD.
+
+    JSON may escape half a UTF-16 pair ("\\ud800"); Python decodes it into a str that no UTF-8
+    writer accepts. Left in the record it would fail the result line, the Prometheus exposition (an
+    app label) and the trip to a decode worker, long after the record was accepted: the one bad
+    character is replaced here instead, where the record is made.
+    """
+    try:
+        _CHECK.encode(record)
+    except UnicodeEncodeError:
+        plain = msgspec.to_builtins(record, enc_hook=str)
+        return msgspec.convert(_replace_lone_surrogates(plain), EvalRecord)
+    return record
+
+
+def _replace_lone_surrogates(obj: Any) -> Any:
+    if isinstance(obj, str):
+        return _LONE_SURROGATE.sub("\ufffd", obj)
+    if isinstance(obj, dict):
+        return {_replace_lone_surrogates(k): _replace_lone_surrogates(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_replace_lone_surrogates(v) for v in obj]
+    return obj

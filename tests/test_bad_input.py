@@ -23,6 +23,7 @@ from tracejudge.schemas.errors import REASONS, RecordError
 from tracejudge.schemas.inputs import MlflowTraceV2, MlflowTraceV3, ValidationError
 from tracejudge.schemas.mlflow import parse_trace
 from tracejudge.schemas.record import EvalRecord
+from tracejudge.schemas.result import EvaluationResult, SourceRef
 
 MLFLOW2 = pathlib.Path(__file__).parent / "fixtures" / "mlflow2" / "traces.jsonl"
 
@@ -73,6 +74,19 @@ def test_otlp_export_request_is_pointed_at_the_span_formats() -> None:
     assert _error({"request": "q"}, "otlp_json").reason == "unknown_format"
     with pytest.raises(ValueError, match="unknown format 'csv'"):
         normalise({"request": "q"}, "csv")
+
+
+@pytest.mark.parametrize("as_given", [bytes, bytes.decode, json.loads], ids=["bytes", "text", "mapping"])
+def test_half_a_surrogate_pair_becomes_the_replacement_character(as_given: Any) -> None:
+    # `json.dumps` escapes every non-ASCII character, so a broken UTF-16 string reaches us as "\\ud83d".
+    row = json.dumps({"request_id": "r", "request": "smile \ud83d", "response": "\ud83d\ude00 ok",
+                      "retrieved_context": [{"content": "c\udc00", "doc_uri": "u"}],
+                      "tags": {"app\ud800": "x\udfff"}}).encode()
+    record = normalise(as_given(row))
+    assert record.request == "smile \ufffd" and record.response == "\U0001f600 ok"  # a whole pair is kept
+    assert record.retrieved_context[0].content == "c\ufffd"
+    assert record.tags == {"app\ufffd": "x\ufffd"}
+    EvaluationResult(record=record, source=SourceRef(format="auto")).to_json()
 
 
 def test_python_nan_is_read() -> None:
@@ -158,6 +172,7 @@ def test_explicit_format_that_does_not_fit() -> None:
 _LEAVES = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**66), 2**66), st.floats(allow_nan=True),
     st.text(max_size=12),
+    st.text(st.characters(min_codepoint=0xD7F0, max_codepoint=0xE010), max_size=3),  # lone surrogates
     st.sampled_from(["", "abc", "123", " 42 ", "-7", "0x1f", "AAAAAAAAAAA=", "0xBRIvI26L8=",
                      "a795c45134ad7ba0", "STATUS_CODE_ERROR", "OK", "2026-11-22T00:00:00Z",
                      "2026-11-22 00:00:00", "{}", "[]",
@@ -206,11 +221,14 @@ def _get(doc: Any, path: tuple[Any, ...]) -> Any:
 
 def _outcome(payload: Any) -> EvalRecord | RecordError:
     try:
-        return normalise(payload)
+        record = normalise(payload)
     except RecordError as err:
         assert err.reason in REASONS
         assert err.detail and len(err.detail) <= 300
         return err
+    # An accepted record can always be written out.
+    EvaluationResult(record=record, source=SourceRef(format="auto")).to_json()
+    return record
 
 
 def _dumps(value: Any) -> bytes:
