@@ -64,7 +64,8 @@ HEADER_VALUE_OMITTED = "tracejudge-value-omitted"
 # Reasons the runner adds to the parsers' closed set (tracejudge.schemas.errors.REASONS).
 # A parser or metric raised something other than RecordError: a bug, but the stream goes on.
 PROCESSING_ERROR = "processing_error"
-# The broker refused the record's result (larger than its limit).
+# The record's result could not be published: the broker refused it (larger than its limit), or
+# what custom code put in the record cannot be written as JSON.
 RESULT_REJECTED = "result_rejected"
 
 _ERROR_HEADER_MAX = 2000
@@ -252,7 +253,15 @@ class ResultSink:
             (HEADER_PARTITION, str(src.partition).encode()),
             (HEADER_OFFSET, str(src.offset).encode()),
         ]
-        self._send(result.to_json(), key.encode() if key else None, headers, src, ticket, attempt=0)
+        try:
+            value, key_bytes = result.to_json(), key.encode() if key else None
+        except Exception as exc:  # what custom code put in a record: never hold the offset back for it
+            log.exception("writing the result of %s[%s]@%s failed", src.topic, src.partition, src.offset)
+            self.dead_letters.send(source=src, reason=RESULT_REJECTED, ticket=ticket, value=None,
+                                   error=f"result could not be written: {type(exc).__name__}: {exc}",
+                                   count_record=False)
+            return
+        self._send(value, key_bytes, headers, src, ticket, attempt=0)
 
     def _send(self, value: bytes, key: bytes | None, headers: list[Header], src: SourceRef,
               ticket: Releasable, attempt: int) -> None:

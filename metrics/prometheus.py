@@ -47,6 +47,14 @@ _APP_VALUE_MAX = 100
 _EXEMPLAR_INTERVAL = 1.0
 
 
+def _utf8(text: str) -> str:
+    """`text` as UTF-8 can write it. Records from custom format handlers may hold a lone surrogate
+    (the built-in formats replace those): one in a label would fail every scrape from then on."""
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
 class AppLabelLimiter:
     """Maps a record's `app` to a label value, admitting at most `max_apps` distinct values.
 
@@ -69,8 +77,8 @@ class AppLabelLimiter:
             return UNKNOWN_APP
         if app in self._admitted:
             return app
-        if len(app) > _APP_VALUE_MAX:
-            app = app[:_APP_VALUE_MAX]
+        if len(app) > _APP_VALUE_MAX or not app.isascii():
+            app = _utf8(app[:_APP_VALUE_MAX])
             if app in self._admitted:
                 return app
         with self._lock:
@@ -208,7 +216,7 @@ class PrometheusExporter:
         slot = -1 if rec.failed else -2
         exemplar = None
         if trace_id and now >= due[slot]:
-            exemplar = {"trace_id": trace_id[:_EXEMPLAR_VALUE_MAX]}
+            exemplar = {"trace_id": _utf8(trace_id[:_EXEMPLAR_VALUE_MAX])}
             due[slot] = now + _EXEMPLAR_INTERVAL
         (s.errors if rec.failed else s.ok).inc(1, exemplar)
         latency = rec.latency_seconds
@@ -216,7 +224,7 @@ class PrometheusExporter:
             bucket = bisect.bisect_left(LATENCY_BUCKETS, latency)
             exemplar = None
             if trace_id and now >= due[bucket]:
-                exemplar = {"trace_id": trace_id[:_EXEMPLAR_VALUE_MAX]}
+                exemplar = {"trace_id": _utf8(trace_id[:_EXEMPLAR_VALUE_MAX])}
                 due[bucket] = now + _EXEMPLAR_INTERVAL
             s.latency.observe(latency, exemplar)
         tokens = rec.tokens

@@ -132,6 +132,19 @@ def test_exemplar_ids_longer_than_the_limit_are_truncated_not_rejected():
     assert value(exporter_text(exporter), "tracejudge_trace_latency_seconds_count") == 1
 
 
+def test_a_lone_surrogate_from_custom_code_does_not_break_the_exposition():
+    # The built-in formats replace them; a custom format handler's record may still hold one.
+    exporter = PrometheusExporter()
+    exporter.export(EvaluationResult(EvalRecord(trace_id="t\ud800", app="caf\udce9", latency_seconds=1.0),
+                                     SourceRef("custom")))
+    with OperationsServer(exporter.registry, host="127.0.0.1", port=0) as server:
+        om = httpx.get(f"http://127.0.0.1:{server.port}/metrics", headers={"Accept": OPENMETRICS})
+        plain = httpx.get(f"http://127.0.0.1:{server.port}/metrics")
+    assert om.status_code == plain.status_code == 200
+    assert value(plain.text, "tracejudge_traces_total", app="caf?", status="ok") == 1
+    assert 'trace_id="t?"' in om.text
+
+
 def test_promtool_finds_nothing_to_complain_about(traces):
     exporter = PrometheusExporter()
     evaluate_all(exporter, [t.payload for t in traces])

@@ -335,3 +335,30 @@ def metric_in(text: str, name: str, **labels: str) -> float:
 @pytest.fixture(autouse=True)
 def _quiet_kafka_logs(caplog):
     caplog.set_level("WARNING", logger="kafka")
+
+
+def test_a_result_that_cannot_be_written_is_dead_lettered_not_held(broker):
+    # A custom format handler may build a record no JSON writer takes (here: half a surrogate pair,
+    # which the built-in formats replace). Its result is dead-lettered; the partition is not held.
+    from tracejudge.schemas.record import EvalRecord
+
+    def handler(payload, source, ticket, emit):
+        text = payload.decode()
+        ticket.acquire()
+        emit(EvalRecord(request_id=text, response="odd \ud800" if text == "odd" else "fine"), source, ticket)
+        ticket.release()
+
+    bs = broker.bootstrap_servers
+    topic, results, dlq, group = unique("custom"), unique("results"), unique("dlq"), unique("group")
+    placed = produce(bs, topic, [b"a", b"odd", b"b"], keys=[b"a", b"odd", b"b"])
+    s = settings(bs, [f"{topic}:agent_eval"], **{"stream.results_topic": results, "kafka.group_id": group,
+                                                "stream.dead_letter_topic": dlq})
+    with running(s, handlers={"agent_eval": handler}):
+        letters = read_topic(bs, dlq, at_least=1)
+        out = read_topic(bs, results, at_least=2)
+        wait_until(lambda: all_committed(bs, group, topic, placed), 30, message="committed past it")
+    assert sorted(orjson.loads(r.value)["request_id"] for r in out) == ["a", "b"]
+    headers = dict(letters[0].headers)
+    assert headers[sinks.HEADER_REASON] == b"result_rejected"
+    assert b"result could not be written: UnicodeEncodeError" in headers[sinks.HEADER_ERROR]
+    assert (int(headers[sinks.HEADER_PARTITION]), int(headers[sinks.HEADER_OFFSET])) == placed[1]
