@@ -303,6 +303,9 @@ class StreamSettings(Section):
     app_tag: str | None = None
     # Records fetched and not yet exported; past it fetching pauses (memory stays bounded).
     max_in_flight: int = Field(default=2_000, gt=0)
+    # Processes that decode and score MLflow / agent-evaluation / inference-log records beside the
+    # consumer (consumer/decode_workers.py); 0 decodes on the poll thread. One per spare CPU.
+    decode_workers: int = Field(default=0, ge=0, le=32)
     # Larger records are dead-lettered (reason too_large) without being parsed.
     max_record_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     commit_interval_ms: int = Field(default=1_000, ge=0)

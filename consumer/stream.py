@@ -35,10 +35,19 @@ from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any, Protocol
 
+import msgspec
 from kafka import AsyncConsumerRebalanceListener, KafkaConsumer, KafkaProducer
 from kafka.structs import TopicPartition
 
 from tracejudge.consumer.config import ConfigError, LoggingSettings, Settings, load_settings
+from tracejudge.consumer.decode_workers import (
+    DECODE,
+    EVALUATE,
+    Decoded,
+    DecodePool,
+    WorkerStartError,
+    decode_one,
+)
 from tracejudge.consumer.http_server import OperationsServer
 from tracejudge.consumer.offsets import OffsetTracker, Releasable, Ticket
 from tracejudge.consumer.pipeline import Pipeline, build_judges, build_pipeline
@@ -152,6 +161,10 @@ class RecordProcessor:
         self.assembler = assembler
         self.judge = judge
         self.handlers = dict(handlers or {})
+        # A `DecodePool` taking the single-record formats; records for it gather in `_batch` until
+        # `flush()`.
+        self.decoder: DecodePool | None = None
+        self._batch: list[tuple[Any, SourceRef, _Export, str | None]] = []
         self._observe = exporter.processing.observe
 
     def process(self, tp: TopicPartition, record: Any) -> None:
@@ -161,7 +174,7 @@ class RecordProcessor:
         fmt = self.formats.get(record.topic, "auto")
         source = SourceRef(format=fmt, topic=record.topic, partition=record.partition, offset=record.offset)
         value = record.value
-        handed_off = False
+        handed_off = queued = False
         try:
             self._check(value)
             handler = self.handlers.get(fmt)
@@ -177,6 +190,10 @@ class RecordProcessor:
                 ticket.release()
                 for trace in forced:
                     self.emit_assembled(trace)
+            elif self.decoder is not None and self.decoder.alive:
+                export = self.exports.start(ticket)
+                self._batch.append((record, source, export, None if fmt == "auto" else fmt))
+                handed_off = queued = True
             else:
                 evaluated = self.pipeline.normalise(value, None if fmt == "auto" else fmt)
                 if fmt == "auto":
@@ -197,7 +214,50 @@ class RecordProcessor:
             if not handed_off:
                 self._dead_letter(record, source, PROCESSING_ERROR, f"{type(exc).__name__}: {exc}", ticket)
         finally:
-            self._observe(time.perf_counter() - started)
+            if not queued:  # a worker's record is observed with the worker's time
+                self._observe(time.perf_counter() - started)
+
+    def flush(self) -> None:
+        """Hand the records `process` queued for the decode workers over, one batch per poll."""
+        batch, self._batch = self._batch, []
+        if not batch:
+            return
+        decoder = self.decoder
+        if decoder is None or not decoder.submit(batch, [(item[0].value, item[3]) for item in batch]):
+            self.decode_here(batch)
+
+    def finish_decoded(self, item: tuple[Any, SourceRef, _Export, str | None], decoded: Decoded) -> None:
+        """Export, judge and publish what a decode worker made of one record (its receiver thread)."""
+        if decoded.redo:
+            self.decode_here([item])
+            return
+        record, source, export, _ = item
+        self._observe(decoded.seconds)
+        if source.format == "auto" and decoded.source_format:
+            source.format = decoded.source_format
+        if decoded.record is not None:
+            result = EvaluationResult(record=decoded.record, source=source, metrics=decoded.metrics or {},
+                                      metric_errors=decoded.metric_errors or {})
+            self._judge_and_finish(result, export, True)
+            return
+        where = f"{source.topic}[{source.partition}]@{source.offset}"
+        if decoded.traceback:
+            log.error("unexpected error %s %s:\n%s", "processing" if decoded.failed_at == DECODE
+                      else "evaluating", where, decoded.traceback.rstrip())
+        if decoded.failed_at == EVALUATE:
+            self.dead_letters.send(source=source, reason=decoded.reason or PROCESSING_ERROR, ticket=export,
+                                   error=decoded.message or "", value=None)
+        else:
+            self.dead_letters.send(source=source, reason=decoded.reason or PROCESSING_ERROR,
+                                   error=decoded.message or "", ticket=export, value=record.value,
+                                   key=record.key, headers=record.headers, timestamp_ms=record.timestamp)
+
+    def decode_here(self, items: list[tuple[Any, SourceRef, _Export, str | None]]) -> None:
+        """Decode handed-over records in this process (no worker left, or a result that could not
+        cross the process boundary)."""
+        for item in items:
+            decoded = decode_one(self.pipeline, item[0].value, item[3])
+            self.finish_decoded(item, msgspec.structs.replace(decoded, redo=False))
 
     def _check(self, value: bytes | None) -> None:
         if value is None:
@@ -216,12 +276,15 @@ class RecordProcessor:
             self.dead_letters.send(source=source, reason=PROCESSING_ERROR, ticket=self.exports.start(ticket),
                                    error=f"{type(exc).__name__}: {exc}", value=None, count_record=count)
             return
-        export = self.exports.start(ticket)
+        self._judge_and_finish(result, self.exports.start(ticket), count)
+
+    def _judge_and_finish(self, result: EvaluationResult, export: _Export, count: bool) -> None:
         if self.judge is None:
             self._finish(result, export, count)
             return
+        source = result.source
         try:
-            future = self.judge(record)
+            future = self.judge(result.record)
         except Exception:
             log.exception("starting the judges on %s[%s]@%s failed; exporting without assessments",
                           source.topic, source.partition, source.offset)
@@ -343,6 +406,10 @@ class StreamRunner:
                  exporter: PrometheusExporter | None = None, judges: Any = None,
                  handlers: Mapping[str, FormatHandler] | None = None) -> None:
         self.settings = settings
+        # Decode workers build their own pipeline from the settings: a pipeline given here is not theirs.
+        self._decode_workers = settings.stream.decode_workers if pipeline is None else 0
+        if pipeline is not None and settings.stream.decode_workers:
+            log.warning("stream.decode_workers is ignored: the runner was given its own Pipeline")
         self.pipeline = pipeline or build_pipeline(settings)
         ratio = getattr(getattr(self.pipeline, "metrics", None), "ratio_metrics", RATIO_METRICS)
         self.exporter = exporter or PrometheusExporter(max_apps=settings.prometheus.max_apps,
@@ -363,6 +430,7 @@ class StreamRunner:
         self._producer: KafkaProducer | None = None
         self._publisher: Publisher | None = None
         self._processor: RecordProcessor | None = None
+        self._decoder: DecodePool | None = None
         self._http: OperationsServer | None = None
         self._assigned: frozenset[TopicPartition] = frozenset()
         # Partitions revoked with unfinished records, and where to rewind if they come back to us
@@ -418,6 +486,8 @@ class StreamRunner:
         self._external_stop = stop_event
         self._log_effective_config()
         try:
+            if self._decode_workers:
+                self._decoder = self._start_decoder(self._decode_workers)
             if s.http.enabled:
                 try:
                     self._http = OperationsServer(self.registry, host=s.http.bind_address, port=s.http.port,
@@ -432,6 +502,24 @@ class StreamRunner:
             self._loop(self._processor)
         finally:
             self._shutdown()
+
+    def _start_decoder(self, workers: int) -> DecodePool:
+        def decoded(item: Any, result: Decoded) -> None:
+            assert self._processor is not None
+            self._processor.finish_decoded(item, result)
+
+        def lost(items: Any) -> None:
+            assert self._processor is not None
+            self._processor.decode_here(list(items))
+
+        pool = DecodePool(self.settings, workers, on_decoded=decoded, on_lost=lost,
+                          on_worker_lost=self.exporter.decode_workers_lost.inc)
+        try:
+            pool.start()
+        except WorkerStartError as exc:
+            raise StartupError(f"{exc} (stream.decode_workers)") from exc
+        log.info("%d decode worker processes ready (stream.decode_workers)", workers)
+        return pool
 
     def _connect(self) -> RecordProcessor:
         s = self.settings
@@ -465,6 +553,7 @@ class StreamRunner:
                                     formats, max_record_bytes=s.stream.max_record_bytes, exports=self.exports,
                                     assembler=assembler, judge=self.judges.submit if self.judges else None,
                                     handlers=self.handlers)
+        processor.decoder = self._decoder
         self._consumer.subscribe(topics=list(formats), listener=_RebalanceListener(self))
         log.info("subscribed to %s as group %r%s; waiting for partitions",
                  ", ".join(map(str, s.stream.topics)), s.kafka.group_id,
@@ -477,7 +566,7 @@ class StreamRunner:
         assert consumer is not None
         publisher = self._publisher
         exports = self.exports
-        process = processor.process
+        process, flush = processor.process, processor.flush
         max_in_flight = s.max_in_flight
         max_poll = self.settings.kafka.max_poll_records
         commit_every = s.commit_interval_ms / 1000
@@ -498,6 +587,7 @@ class StreamRunner:
             for tp, records in batch.items():
                 for record in records:
                     process(tp, record)
+            flush()
             now = time.monotonic()
             if now >= next_commit:
                 self._commit()
@@ -595,6 +685,9 @@ class StreamRunner:
                 with _suppress_logged("closing the judges"):
                     self.judges.close()
         finally:
+            if self._decoder is not None:
+                self._decoder.close()
+                self._decoder = None
             if self._http is not None:
                 self._http.stop()
                 self._http = None

@@ -167,8 +167,12 @@ class PrometheusExporter:
         self.in_flight = Gauge("tracejudge_in_flight_records", "Records fetched and not yet fully "
                                "exported.", registry=r)
         self.processing = Histogram("tracejudge_record_processing_seconds", "Time to decode, evaluate "
-                                    "and export one record on the consumer thread (not broker acks).",
+                                    "and export one record on the consumer thread (not broker acks); "
+                                    "decode and evaluate only when a decode worker did them.",
                                     buckets=PROCESSING_BUCKETS, registry=r)
+        self.decode_workers_lost = Counter("tracejudge_decode_workers_lost", "Decode worker processes "
+                                           "that exited unexpectedly (their records are decoded in the "
+                                           "consumer process).", registry=r)
         self.commits = Counter("tracejudge_commits", "Successful offset commits.", registry=r)
         self.commit_failures = Counter("tracejudge_commit_failures", "Offset commits that failed (the "
                                        "records are re-delivered unless a later commit succeeds).",

@@ -49,13 +49,15 @@ def coordinates(results) -> list[tuple[int, int]]:
     return out
 
 
-def test_every_trace_is_counted_published_and_committed(broker):
+# With decode workers the same records are decoded in another process: the outcome must not change.
+@pytest.mark.parametrize("workers", [0, 1], ids=["in-process", "decode-worker"])
+def test_every_trace_is_counted_published_and_committed(broker, workers):
     bs = broker.bootstrap_servers
     topic, results, group = unique("traces"), unique("results"), unique("group")
     traces = agent_traces(60, seed=21, failure_share=0.1)
     placed = produce(bs, topic, [t.payload for t in traces], keys=[t.trace_id.encode() for t in traces])
     s = settings(bs, [f"{topic}:mlflow"], **{"stream.results_topic": results, "stream.app_tag": "app",
-                                            "kafka.group_id": group})
+                                            "kafka.group_id": group, "stream.decode_workers": workers})
     runner = StreamRunner(s)
     assert runner.readiness() == (False, "connecting to Kafka")
     with running(s) as runner:
@@ -88,7 +90,8 @@ def test_every_trace_is_counted_published_and_committed(broker):
     assert metric_in(text, "tracejudge_in_flight_records") == 0
 
 
-def test_malformed_records_are_dead_lettered_with_reasons_while_the_rest_flow(broker):
+@pytest.mark.parametrize("workers", [0, 1], ids=["in-process", "decode-worker"])
+def test_malformed_records_are_dead_lettered_with_reasons_while_the_rest_flow(broker, workers):
     bs = broker.bootstrap_servers
     topic, results, dlq, group = unique("mixed"), unique("results"), unique("dlq"), unique("group")
     good = agent_traces(20, seed=3)
@@ -100,22 +103,31 @@ def test_malformed_records_are_dead_lettered_with_reasons_while_the_rest_flow(br
         (b'{"request": ' + b'"' + b"x" * 70_000 + b'"}', "too_large"),
         (None, "invalid_record"),  # a tombstone
     ]
-    values = [t.payload for t in good[:10]] + [v for v, _ in bad] + [t.payload for t in good[10:]]
+    # Valid, if odd: half a surrogate pair (no UTF-8 writer takes it), and an integer beyond 64 bits
+    # (msgpack cannot carry it back from a decode worker).
+    odd = [b'{"request_id": "lone", "request": "hi \\ud800", "response": "yo"}',
+           b'{"request_id": "big", "request": "hi", "response": "yo", "reference_trajectory": '
+           b'[{"tool_name": "t", "tool_input": {"n": 1180591620717411303424, "x": NaN}}]}']
+    values = [t.payload for t in good[:10]] + [v for v, _ in bad] + [t.payload for t in good[10:]] + odd
     keys = [t.trace_id.encode() for t in good[:10]] + [f"bad-{i}".encode() for i in range(len(bad))] + \
-        [t.trace_id.encode() for t in good[10:]]
+        [t.trace_id.encode() for t in good[10:]] + [b"lone", b"big"]
     placed = produce(bs, topic, values, keys=keys)
     bad_at = {f"bad-{i}": placed[10 + i] for i in range(len(bad))}
     s = settings(bs, [topic], **{"stream.results_topic": results, "stream.dead_letter_topic": dlq,
-                                 "stream.max_record_bytes": 65536, "kafka.group_id": group})
+                                 "stream.max_record_bytes": 65536, "kafka.group_id": group,
+                                 "stream.decode_workers": workers})
     with running(s) as runner:
         port = runner.http_port
         wait_until(lambda: metric(port, "tracejudge_records_total", topic=topic) == len(values), 60)
         letters = read_topic(bs, dlq, at_least=len(bad))
-        out = read_topic(bs, results, at_least=len(good))
+        out = read_topic(bs, results, at_least=len(good) + len(odd))
         wait_until(lambda: all_committed(bs, group, topic, placed), 30,
                    message="dead letters count as complete")
         text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-    assert len(letters) == len(bad) and len(out) == len(good)
+    assert len(letters) == len(bad) and len(out) == len(good) + len(odd)
+    by_key = {r.key: orjson.loads(r.value) for r in out}
+    assert by_key[b"lone"]["request"] == "hi \ufffd"
+    assert by_key[b"big"]["reference_trajectory"][0]["tool_input"]["n"] == 2**70
     for letter in letters:
         key = letter.key.decode()
         index = int(key.split("-")[1])
@@ -130,7 +142,7 @@ def test_malformed_records_are_dead_lettered_with_reasons_while_the_rest_flow(br
     assert b"70015 bytes, more than stream.max_record_bytes (65536)" in dict(
         next(x for x in letters if x.key == b"bad-4").headers)[sinks.HEADER_ERROR]
     assert metric_in(text, "tracejudge_records_total", outcome="dead_lettered") == len(bad)
-    assert metric_in(text, "tracejudge_records_total", outcome="ok") == len(good)
+    assert metric_in(text, "tracejudge_records_total", outcome="ok") == len(good) + len(odd)
     for reason in {r for _, r in bad}:
         expected = sum(r == reason for _, r in bad)
         assert metric_in(text, "tracejudge_dead_letters_total", reason=reason) == expected
@@ -335,6 +347,29 @@ def metric_in(text: str, name: str, **labels: str) -> float:
 @pytest.fixture(autouse=True)
 def _quiet_kafka_logs(caplog):
     caplog.set_level("WARNING", logger="kafka")
+
+
+def test_a_decode_worker_killed_mid_stream_loses_no_record(broker):
+    bs = broker.bootstrap_servers
+    topic, results, group = unique("traces"), unique("results"), unique("group")
+    traces = agent_traces(40, seed=5)
+    values = [t.payload for t in traces] * 10
+    placed = produce(bs, topic, values)
+    s = settings(bs, [topic], **{"stream.results_topic": results, "kafka.group_id": group,
+                                 "stream.decode_workers": 1, "kafka.max_poll_records": 20})
+    with running(s) as runner:
+        port = runner.http_port
+        wait_until(lambda: (metric(port, "tracejudge_records_total", topic=topic, outcome="ok") or 0) > 0, 60)
+        worker = runner._decoder._workers[0]
+        worker.process.kill()
+        wait_until(lambda: metric(port, "tracejudge_decode_workers_lost_total") == 1, 30)
+        # Its unanswered batches, and everything after, are decoded in the consumer process.
+        wait_until(lambda: metric(port, "tracejudge_records_total", topic=topic, outcome="ok")
+                   == len(values), 60)
+        out = read_topic(bs, results, at_least=len(values))
+        wait_until(lambda: all_committed(bs, group, topic, placed), 30, message="committed to the end")
+        assert not runner._decoder.alive
+    assert sorted(coordinates(out)) == sorted(placed)
 
 
 def test_a_result_that_cannot_be_written_is_dead_lettered_not_held(broker):

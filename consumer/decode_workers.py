@@ -1,0 +1,302 @@
+"""Decode and score records in worker processes, so `tracejudge run` can use more than one CPU.
+
+One Python process runs one thread at a time: kafka-python's IO thread and the poll loop take turns,
+and decoding a 20 KB trace costs about twice what fetching it does. With `stream.decode_workers: N`
+the poll loop hands each fetched batch of single-record formats (MLflow, agent-evaluation records,
+inference logs) to a worker process, which runs the same `Pipeline.normalise` + `Pipeline.evaluate`
+the loop would, and sends back the evaluation records:
+
+    poll loop ──batch──▶ sender thread ──pipe──▶ worker process (Pipeline built from the same settings)
+                                                        │
+    RecordProcessor.finish_decoded ◀── receiver thread ◀┘   (exports, publishes, releases the ticket)
+
+Nothing changes for at-least-once: a record's ticket is held by an export from the moment it is handed
+over, so the in-flight cap, revocation and shutdown wait for it like for any other export. A worker that
+dies (OOM-killed, a crash in native code) hands its unfinished records back to be decoded in the
+consumer process, which goes on without that worker (counted in tracejudge_decode_workers_lost).
+OTLP topics (trace assembly) and custom format handlers stay in the consumer process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import queue
+import signal
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from tracejudge.schemas.errors import RecordError
+from tracejudge.schemas.record import EvalRecord
+
+if TYPE_CHECKING:
+    from tracejudge.consumer.config import Settings
+    from tracejudge.consumer.pipeline import Pipeline
+
+__all__ = ["DECODE", "EVALUATE", "DecodePool", "Decoded", "WorkerStartError", "decode_one"]
+
+log = logging.getLogger("tracejudge.run")
+
+# Where a record failed: its payload could not be decoded (dead-lettered with its value), or the
+# computed metrics raised (dead-lettered without it, as in the consumer process).
+DECODE, EVALUATE = "decode", "evaluate"
+_READY = b"ready"
+_STOP = b""
+
+
+class Decoded(msgspec.Struct, array_like=True, gc=False):
+    """What a worker says of one record: its evaluation record and metrics, or why there is none."""
+
+    record: EvalRecord | None = None
+    metrics: dict[str, Any] | None = None
+    metric_errors: dict[str, str] | None = None
+    source_format: str | None = None
+    failed_at: str | None = None  # DECODE or EVALUATE
+    reason: str | None = None  # the dead-letter reason
+    message: str | None = None
+    traceback: str | None = None  # an unexpected exception's, for the consumer's log
+    seconds: float = 0.0
+    # The result could not cross the process boundary (e.g. an integer beyond 64 bits from a custom
+    # metric): the consumer process decodes this record itself.
+    redo: bool = False
+
+
+def decode_one(pipeline: Pipeline, value: bytes, fmt: str | None) -> Decoded:
+    """`Pipeline.normalise` then `Pipeline.evaluate` of one payload; never raises."""
+    from tracejudge.consumer.sinks import PROCESSING_ERROR
+    from tracejudge.schemas.result import SourceRef
+
+    started = time.perf_counter()
+    try:
+        record = pipeline.normalise(value, fmt)
+    except RecordError as exc:
+        return Decoded(failed_at=DECODE, reason=exc.reason, message=exc.message,
+                       seconds=time.perf_counter() - started)
+    except Exception as exc:
+        return Decoded(failed_at=DECODE, reason=PROCESSING_ERROR, message=f"{type(exc).__name__}: {exc}",
+                       traceback=traceback.format_exc(), seconds=time.perf_counter() - started)
+    try:
+        result = pipeline.evaluate(record, SourceRef(format=record.source_format))
+    except Exception as exc:
+        return Decoded(source_format=record.source_format, failed_at=EVALUATE, reason=PROCESSING_ERROR,
+                       message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
+                       seconds=time.perf_counter() - started)
+    return Decoded(record=record, metrics=result.metrics, metric_errors=result.metric_errors,
+                   source_format=record.source_format, seconds=time.perf_counter() - started)
+
+
+def _serve(conn: Connection, settings: Settings) -> None:
+    """The worker process: build the pipeline, then decode batches until told to stop or orphaned."""
+    # The consumer process owns shutdown: Ctrl-C in a terminal reaches the whole process group, and
+    # the worker must finish what it was given rather than die with it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from tracejudge.consumer.pipeline import build_pipeline
+
+    try:
+        pipeline = build_pipeline(settings)
+    except Exception as exc:
+        conn.send_bytes(f"{type(exc).__name__}: {exc}".encode())
+        return
+    conn.send_bytes(_READY)
+    requests = msgspec.msgpack.Decoder(list[tuple[bytes, str | None]])
+    encoder = msgspec.msgpack.Encoder()
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):  # the consumer process is gone
+            return
+        if data == _STOP:
+            return
+        out = [decode_one(pipeline, value, fmt) for value, fmt in requests.decode(data)]
+        try:
+            reply = encoder.encode(out)
+        except (TypeError, OverflowError, ValueError):
+            reply = encoder.encode([_transferable(encoder, d) for d in out])
+        conn.send_bytes(reply)
+
+
+def _transferable(encoder: msgspec.msgpack.Encoder, decoded: Decoded) -> Decoded:
+    try:
+        encoder.encode(decoded)
+    except (TypeError, OverflowError, ValueError):
+        return Decoded(redo=True)
+    return decoded
+
+
+class WorkerStartError(RuntimeError):
+    """A decode worker could not start; the message says why."""
+
+
+# One handed-over record as the consumer process keeps it: whatever the caller needs to finish it.
+Item = Any
+OnDecoded = Callable[[Item, Decoded], None]
+OnLost = Callable[[Sequence[Item]], None]
+
+
+class _Worker:
+    def __init__(self, index: int, settings: Settings, on_decoded: OnDecoded, on_lost: OnLost,
+                 on_exit: Callable[[_Worker, int | None], None]) -> None:
+        ctx = multiprocessing.get_context("spawn")  # fork is unsafe beside kafka-python's threads
+        self.index = index
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, settings), daemon=True,
+                                   name=f"tracejudge-decode-{index}")
+        self._child = child
+        self._on_decoded, self._on_lost, self._on_exit = on_decoded, on_lost, on_exit
+        # Batches sent and not yet answered, oldest first: the worker answers in order.
+        self._pending: deque[list[Item]] = deque()
+        self._lock = threading.Lock()
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._closing = False
+        self.alive = False
+        self.pending_records = 0
+
+    def start(self, timeout: float) -> None:
+        self.process.start()
+        self._child.close()  # ours is closed so the worker's death reads as EOF
+        deadline = time.monotonic() + timeout
+        while not self._conn.poll(0.2):
+            if not self.process.is_alive():
+                break  # its exit code is reported below
+            if time.monotonic() > deadline:
+                self.process.kill()
+                raise WorkerStartError(f"decode worker {self.index} did not start within {timeout:.0f} s")
+        try:
+            hello = self._conn.recv_bytes()
+        except (EOFError, OSError):
+            self.process.join(5)
+            raise WorkerStartError(f"decode worker {self.index} exited while starting (exit code "
+                                   f"{self.process.exitcode})") from None
+        if hello != _READY:
+            raise WorkerStartError(f"decode worker {self.index} could not build the pipeline: "
+                                   f"{hello.decode(errors='replace')}")
+        self.alive = True
+        # Sending and receiving on separate threads: a large batch going out while results come
+        # back would otherwise fill both pipe buffers and block both processes.
+        threading.Thread(target=self._send_loop, name=f"tracejudge-decode-{self.index}-send",
+                         daemon=True).start()
+        threading.Thread(target=self._receive_loop, name=f"tracejudge-decode-{self.index}-receive",
+                         daemon=True).start()
+
+    def submit(self, items: list[Item], payload: bytes) -> None:
+        with self._lock:
+            self._pending.append(items)
+            self.pending_records += len(items)
+        self._outbox.put(payload)
+
+    def close(self) -> None:
+        self._closing = True
+        self._outbox.put(None)
+
+    def _send_loop(self) -> None:
+        while (payload := self._outbox.get()) is not None:
+            try:
+                self._conn.send_bytes(payload)
+            except OSError:  # the worker is gone: the receiver hands its batches back
+                return
+        with contextlib.suppress(OSError):
+            self._conn.send_bytes(_STOP)
+
+    def _receive_loop(self) -> None:
+        replies = msgspec.msgpack.Decoder(list[Decoded])
+        while True:
+            try:
+                data = self._conn.recv_bytes()
+            except (EOFError, OSError):
+                break
+            with self._lock:
+                items = self._pending.popleft()
+                self.pending_records -= len(items)
+            if self._closing:
+                continue  # past the shutdown grace: these records are re-delivered
+            for item, decoded in zip(items, replies.decode(data), strict=True):
+                try:
+                    self._on_decoded(item, decoded)
+                except Exception:  # the callback's own errors are its to log; the worker goes on
+                    log.exception("finishing a decoded record failed")
+        self.alive = False
+        with self._lock:
+            unanswered = [item for batch in self._pending for item in batch]
+            self._pending.clear()
+            self.pending_records = 0
+        self.process.join(5)
+        if not self._closing:
+            self._on_exit(self, self.process.exitcode)
+            if unanswered:
+                self._on_lost(unanswered)
+        self._conn.close()
+
+
+class DecodePool:
+    """`workers` decode processes fed round-robin, batch by batch.
+
+    `on_decoded(item, decoded)` and `on_lost(items)` run on the pool's receiver threads; `on_lost`
+    gets the records a dead worker held, to be decoded by the caller. `submit` returns False when no
+    worker is alive (the caller decodes in-process).
+    """
+
+    def __init__(self, settings: Settings, workers: int, *, on_decoded: OnDecoded, on_lost: OnLost,
+                 on_worker_lost: Callable[[], None] | None = None) -> None:
+        self._workers = [_Worker(i, settings, on_decoded, on_lost, self._exited) for i in range(workers)]
+        self._on_worker_lost = on_worker_lost
+        self._encoder = msgspec.msgpack.Encoder()
+        self._next = 0
+        # Read for every record, so a plain attribute, kept up to date by start, close and _exited.
+        self.alive = False
+
+    def start(self, timeout: float = 120.0) -> DecodePool:
+        """Start every worker and wait until each has built its pipeline; `WorkerStartError` if one
+        cannot (the others are stopped)."""
+        try:
+            for worker in self._workers:
+                worker.start(timeout)
+        except BaseException:
+            self.close(0)
+            raise
+        self.alive = True
+        return self
+
+    @property
+    def pending_records(self) -> int:
+        return sum(w.pending_records for w in self._workers)
+
+    def submit(self, items: list[Item], values: list[tuple[bytes, str | None]]) -> bool:
+        """Hand one batch to the next live worker; False when none is alive."""
+        for _ in range(len(self._workers)):
+            worker = self._workers[self._next]
+            self._next = (self._next + 1) % len(self._workers)
+            if worker.alive:
+                worker.submit(items, self._encoder.encode(values))
+                return True
+        return False
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the workers: each finishes the batch it is on, and is killed after `timeout`."""
+        self.alive = False
+        for worker in self._workers:
+            worker.close()
+        deadline = time.monotonic() + timeout
+        for worker in self._workers:
+            if worker.process.pid is None:
+                continue
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join(5)
+
+    def _exited(self, worker: _Worker, exitcode: int | None) -> None:
+        self.alive = any(w.alive for w in self._workers)
+        log.error("decode worker %d exited unexpectedly (exit code %s); its %s are decoded in the "
+                  "consumer process%s", worker.index, exitcode, "records",
+                  "" if self.alive else ", as are all records from now on")
+        if self._on_worker_lost is not None:
+            self._on_worker_lost()

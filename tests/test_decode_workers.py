@@ -1,0 +1,117 @@
+"""The decode worker pool on its own (no Kafka): a worker process answers exactly what the consumer
+process would, says why a record failed, and a worker that cannot start is a startup error that names
+the cause. The Kafka-level behaviour (at-least-once with workers, a worker killed mid-stream) is in
+test_stream_kafka.py."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import threading
+
+import pytest
+from support.kafka import agent_traces
+
+from tracejudge.consumer.config import load_settings
+from tracejudge.consumer.decode_workers import DECODE, Decoded, DecodePool, WorkerStartError, decode_one
+from tracejudge.consumer.pipeline import build_pipeline
+
+
+class Collected:
+    """on_decoded / on_lost for a pool, with a condition to wait on."""
+
+    def __init__(self, expected: int) -> None:
+        self.decoded: dict[int, Decoded] = {}
+        self.lost: list[int] = []
+        self.expected = expected
+        self.all_in = threading.Event()
+
+    def on_decoded(self, item: int, decoded: Decoded) -> None:
+        self.decoded[item] = decoded
+        if len(self.decoded) >= self.expected:
+            self.all_in.set()
+
+    def on_lost(self, items: list[int]) -> None:
+        self.lost.extend(items)
+
+
+def settings_with(**overrides):
+    return load_settings(environ={}, overrides={"stream.topics": ["t"], **overrides})
+
+
+def decode_in_pool(settings, values):
+    got = Collected(len(values))
+    pool = DecodePool(settings, 1, on_decoded=got.on_decoded, on_lost=got.on_lost).start(timeout=60)
+    try:
+        assert pool.alive
+        # Two batches, as two polls would hand them over: answers come back for each item.
+        half = len(values) // 2
+        assert pool.submit(list(range(half)), values[:half])
+        assert pool.submit(list(range(half, len(values))), values[half:])
+        assert got.all_in.wait(60), f"{len(got.decoded)} of {len(values)} answered"
+    finally:
+        pool.close()
+    assert not pool.alive and got.lost == []
+    return got.decoded
+
+
+def test_a_worker_answers_what_the_consumer_process_would():
+    values = [(t.payload, None) for t in agent_traces(8, seed=3)]
+    values += [(b"{not json", None), (b'{"request": 5}', "agent_eval"), (b"[1, 2]", "mlflow")]
+    s = settings_with()
+    decoded = decode_in_pool(s, values)
+    pipeline = build_pipeline(s)
+    for i, (value, fmt) in enumerate(values):
+        here, there = decode_one(pipeline, value, fmt), decoded[i]
+        assert (there.record, there.metrics, there.metric_errors, there.source_format) == \
+               (here.record, here.metrics, here.metric_errors, here.source_format), f"record {i}"
+        assert (there.failed_at, there.reason, there.message) == (here.failed_at, here.reason, here.message)
+        assert not there.redo and there.seconds > 0
+    assert all(decoded[i].record is not None and decoded[i].record.response for i in range(8))
+    for i in range(8, 11):
+        assert decoded[i].record is None and decoded[i].failed_at == DECODE and decoded[i].reason
+        assert decoded[i].message
+
+
+def test_a_result_that_cannot_cross_the_process_boundary_is_redone_by_the_consumer():
+    # The NaN sends this record to Python's json module, which keeps the integer beyond 64 bits
+    # that msgpack cannot carry back from the worker.
+    big = (b'{"request_id": "big", "request": "hi", "response": "yo", "reference_trajectory": '
+           b'[{"tool_name": "t", "tool_input": {"n": 1180591620717411303424, "x": NaN}}]}')
+    values = [(big, None), (agent_traces(1, seed=4)[0].payload, None)]
+    decoded = decode_in_pool(settings_with(), values)
+    # Only the record that cannot be sent is handed back, whole, for the consumer process.
+    assert decoded[0].redo and decoded[0].record is None and decoded[0].failed_at is None
+    assert not decoded[1].redo and decoded[1].record is not None
+    here = decode_one(build_pipeline(settings_with()), big, None)
+    assert here.record.reference_trajectory[0].tool_input["n"] == 2**70
+
+
+@pytest.fixture
+def main_only_metrics(tmp_path, monkeypatch):
+    (tmp_path / "main_only_metrics.py").write_text(textwrap.dedent("""
+        import multiprocessing
+
+        if multiprocessing.parent_process() is not None:
+            raise ImportError("this module needs the consumer process's environment")
+
+        def words(record):
+            return 1
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers get the parent's sys.path
+    yield
+    sys.modules.pop("main_only_metrics", None)
+
+
+def test_a_worker_that_cannot_build_its_pipeline_is_a_startup_error(main_only_metrics):
+    s = settings_with(**{"metrics.custom": [{"name": "words", "function": "main_only_metrics:words"}]})
+    build_pipeline(s)  # fine here, in the consumer process
+    got = Collected(0)
+    pool = DecodePool(s, 2, on_decoded=got.on_decoded, on_lost=got.on_lost)
+    with pytest.raises(WorkerStartError) as exc:
+        pool.start(timeout=60)
+    message = str(exc.value)
+    assert message.startswith("decode worker 0 could not build the pipeline")
+    assert "metrics.custom[words].function" in message and "consumer process's environment" in message
+    assert not pool.alive
+    assert all(w.process.pid is None or not w.process.is_alive() for w in pool._workers)
