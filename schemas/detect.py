@@ -17,7 +17,6 @@ Detection rules, applied per record when the format is "auto" (first match wins)
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -29,7 +28,7 @@ from tracejudge.schemas.derive import derive
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.inference_log import is_inference_log_row, normalise_row
 from tracejudge.schemas.mlflow import is_mlflow_trace, parse_canonical_json, parse_trace
-from tracejudge.schemas.record import EvalRecord, with_valid_text
+from tracejudge.schemas.record import EvalRecord, python_json, with_valid_text
 from tracejudge.schemas.trace import Trace
 
 __all__ = ["FORMATS", "SPAN_FORMATS", "decode", "detect", "normalise"]
@@ -68,7 +67,7 @@ def _decode_slow(payload: bytes | bytearray | memoryview | str, exc: orjson.JSON
         except UnicodeDecodeError as utf8:
             raise RecordError(errors.NOT_UTF8, f"not valid UTF-8 at byte {utf8.start}") from None
     try:
-        return json.loads(text)
+        return python_json(text)
     except (ValueError, RecursionError):
         pass
     raise RecordError(errors.INVALID_JSON, f"{exc.msg} at line {exc.lineno} column {exc.colno}") from None
@@ -107,10 +106,8 @@ def normalise(payload: bytes | str | Mapping[str, Any], fmt: str | None = None, 
     programming error (`ValueError`).
     """
     record = _normalise(payload, fmt or "auto", app_tag)
-    # JSON bytes can only hold a lone surrogate as an escape: most records skip the check.
-    if not isinstance(payload, (bytes, bytearray)) or b"\\ud" in payload or b"\\uD" in payload:
-        record = with_valid_text(record)
-    return record
+    # Decoded JSON never holds a lone surrogate (see `python_json`); Python objects might.
+    return with_valid_text(record) if isinstance(payload, Mapping) else record
 
 
 def _normalise(payload: bytes | str | Mapping[str, Any], fmt: str, app_tag: str | None) -> EvalRecord:

@@ -21,7 +21,6 @@ Version differences handled (see notes in the README):
 
 from __future__ import annotations
 
-import json
 from binascii import a2b_base64 as _a2b_base64
 from collections.abc import Mapping
 from typing import Annotated, Any
@@ -41,6 +40,7 @@ from tracejudge.schemas.inputs import (
     hex_id,
     time_ms,
 )
+from tracejudge.schemas.record import python_json
 from tracejudge.schemas.trace import Document, Span, SpanKind, SpanStatus, TokenUsage, Trace
 
 __all__ = ["APP_PREFIX", "is_mlflow_trace", "parse_canonical_json", "parse_trace", "parse_trace_json"]
@@ -96,7 +96,7 @@ def _attr(raw: Any) -> Any:
         return orjson.loads(raw)
     except orjson.JSONDecodeError:
         try:  # Python's json.dumps writes NaN/Infinity, which orjson rejects
-            return json.loads(raw)
+            return python_json(raw)
         except (ValueError, RecursionError):
             return raw
 

@@ -12,6 +12,7 @@ in the parsers, against the pydantic input schemas in `tracejudge.schemas.inputs
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -19,7 +20,7 @@ import msgspec
 
 from tracejudge.schemas.trace import Document, TokenUsage
 
-__all__ = ["Document", "EvalRecord", "TokenUsage", "ToolCall", "with_valid_text"]
+__all__ = ["Document", "EvalRecord", "TokenUsage", "ToolCall", "python_json", "with_valid_text"]
 
 
 class ToolCall(msgspec.Struct, gc=False):
@@ -62,14 +63,18 @@ _CHECK = msgspec.json.Encoder(enc_hook=str)
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def with_valid_text(record: EvalRecord) -> EvalRecord:
-    """`record`, or a copy with every lone surrogate replaced by U+FFFD.
+def python_json(text: str) -> Any:
+    """Python's `json.loads`, for what orjson and msgspec reject: the NaN and Infinity that Python
+    producers write, and half a UTF-16 surrogate pair ("\\ud800" alone). Python decodes the latter
+    into a str that no UTF-8 writer accepts; left in a record it would fail the result line, a
+    Prometheus label and the trip to a decode worker long after the record was accepted, so each
+    one becomes U+FFFD here. (Only this fallback lets them in: orjson and msgspec refuse them.)"""
+    return _replace_lone_surrogates(json.loads(text))
 
-    JSON may escape half a UTF-16 pair ("\\ud800"); Python decodes it into a str that no UTF-8
-    writer accepts. Left in the record it would fail the result line, the Prometheus exposition (an
-    app label) and the trip to a decode worker, long after the record was accepted: the one bad
-    character is replaced here instead, where the record is made.
-    """
+
+def with_valid_text(record: EvalRecord) -> EvalRecord:
+    """`record`, or a copy with every lone surrogate replaced by U+FFFD: for records built from
+    Python objects, which may hold anything."""
     try:
         _CHECK.encode(record)
     except UnicodeEncodeError:
@@ -80,7 +85,7 @@ def with_valid_text(record: EvalRecord) -> EvalRecord:
 
 def _replace_lone_surrogates(obj: Any) -> Any:
     if isinstance(obj, str):
-        return _LONE_SURROGATE.sub("\ufffd", obj)
+        return obj if obj.isascii() else _LONE_SURROGATE.sub("\ufffd", obj)
     if isinstance(obj, dict):
         return {_replace_lone_surrogates(k): _replace_lone_surrogates(v) for k, v in obj.items()}
     if isinstance(obj, list):

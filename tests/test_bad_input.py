@@ -76,7 +76,12 @@ def test_otlp_export_request_is_pointed_at_the_span_formats() -> None:
         normalise({"request": "q"}, "csv")
 
 
-@pytest.mark.parametrize("as_given", [bytes, bytes.decode, json.loads], ids=["bytes", "text", "mapping"])
+def _unescaped(row: bytes) -> str:
+    return json.dumps(json.loads(row), ensure_ascii=False)  # the surrogates as characters
+
+
+@pytest.mark.parametrize("as_given", [bytes, bytes.decode, _unescaped, json.loads],
+                         ids=["bytes", "text", "unescaped-text", "mapping"])
 def test_half_a_surrogate_pair_becomes_the_replacement_character(as_given: Any) -> None:
     # `json.dumps` escapes every non-ASCII character, so a broken UTF-16 string reaches us as "\\ud83d".
     row = json.dumps({"request_id": "r", "request": "smile \ud83d", "response": "\ud83d\ude00 ok",
@@ -87,6 +92,14 @@ def test_half_a_surrogate_pair_becomes_the_replacement_character(as_given: Any) 
     assert record.retrieved_context[0].content == "c\ufffd"
     assert record.tags == {"app\ufffd": "x\ufffd"}
     EvaluationResult(record=record, source=SourceRef(format="auto")).to_json()
+
+
+def test_half_a_surrogate_pair_in_a_span_attribute_becomes_the_replacement_character() -> None:
+    trace = copy.deepcopy(V3_RAG)
+    root = next(s for s in trace["data"]["spans"] if not s.get("parent_span_id"))
+    root["attributes"]["mlflow.spanOutputs"] = json.dumps("half \udc00 an answer")
+    record = normalise(json.dumps(trace).encode())
+    assert record.response == "half \ufffd an answer" and record.retrieved_context
 
 
 def test_python_nan_is_read() -> None:
