@@ -518,7 +518,7 @@ class StreamRunner:
             pool.start()
         except WorkerStartError as exc:
             raise StartupError(f"{exc} (stream.decode_workers)") from exc
-        log.info("%d decode worker processes ready (stream.decode_workers)", workers)
+        log.info("decode workers ready: %d (stream.decode_workers)", workers)
         return pool
 
     def _connect(self) -> RecordProcessor:

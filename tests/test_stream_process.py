@@ -6,6 +6,7 @@ import signal
 import threading
 
 import orjson
+import pytest
 from support.kafka import (
     RunnerProcess,
     agent_traces,
@@ -61,14 +62,16 @@ def test_a_consumer_killed_mid_stream_and_restarted_loses_no_trace(broker):
     assert sources == set(placed)
 
 
-def test_sigterm_drains_commits_and_leaves_so_a_restart_reprocesses_nothing(broker):
+# Decode workers are spawned processes that ignore SIGTERM: the consumer process drains them.
+@pytest.mark.parametrize("workers", ["0", "1"], ids=["in-process", "decode-worker"])
+def test_sigterm_drains_commits_and_leaves_so_a_restart_reprocesses_nothing(broker, workers):
     bs = broker.bootstrap_servers
     topic, results, group = unique("term"), unique("results"), unique("group")
     traces = agent_traces(40, seed=33)
     placed = produce(bs, topic, [t.payload for t in traces], keys=[t.trace_id.encode() for t in traces])
     args = ("--topic", f"{topic}:mlflow", "--group-id", group, "--results-topic", results)
     # No periodic commits: what is committed is committed by the shutdown.
-    env = {"TRACEJUDGE_STREAM__COMMIT_INTERVAL_MS": "3600000"}
+    env = {"TRACEJUDGE_STREAM__COMMIT_INTERVAL_MS": "3600000", "TRACEJUDGE_STREAM__DECODE_WORKERS": workers}
     first = RunnerProcess(bs, *args, env=env).wait_ready()
     try:
         wait_until(lambda: first.metric("tracejudge_results_published_total") == len(traces), 60)
@@ -80,6 +83,7 @@ def test_sigterm_drains_commits_and_leaves_so_a_restart_reprocesses_nothing(brok
     log = first.log
     assert "SIGTERM received: stopping" in log and "partitions revoked" in log and log.rstrip().endswith(
         "tracejudge.run: stopped")
+    assert ("decode workers ready: 1" in log) == (workers == "1")
     committed = committed_offsets(bs, group, topic)
     assert all(committed[p] == end for p, end in ends(placed).items()), committed
 
