@@ -158,7 +158,6 @@ class _Worker:
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._closing = False
         self.alive = False
-        self.pending_records = 0
 
     def start(self, timeout: float) -> None:
         self.process.start()
@@ -190,7 +189,6 @@ class _Worker:
     def submit(self, items: list[Item], payload: bytes) -> None:
         with self._lock:
             self._pending.append(items)
-            self.pending_records += len(items)
         self._outbox.put(payload)
 
     def close(self) -> None:
@@ -215,7 +213,6 @@ class _Worker:
                 break
             with self._lock:
                 items = self._pending.popleft()
-                self.pending_records -= len(items)
             if self._closing:
                 continue  # past the shutdown grace: these records are re-delivered
             for item, decoded in zip(items, replies.decode(data), strict=True):
@@ -227,7 +224,6 @@ class _Worker:
         with self._lock:
             unanswered = [item for batch in self._pending for item in batch]
             self._pending.clear()
-            self.pending_records = 0
         self.process.join(5)
         if not self._closing:
             self._on_exit(self, self.process.exitcode)
@@ -264,10 +260,6 @@ class DecodePool:
             raise
         self.alive = True
         return self
-
-    @property
-    def pending_records(self) -> int:
-        return sum(w.pending_records for w in self._workers)
 
     def submit(self, items: list[Item], values: list[tuple[bytes, str | None]]) -> bool:
         """Hand one batch to the next live worker; False when none is alive."""
