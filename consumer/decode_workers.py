@@ -64,8 +64,8 @@ class Decoded(msgspec.Struct, array_like=True, gc=False):
     message: str | None = None
     traceback: str | None = None  # an unexpected exception's, for the consumer's log
     seconds: float = 0.0
-    # The result could not cross the process boundary (e.g. an integer beyond 64 bits from a custom
-    # metric): the consumer process decodes this record itself.
+    # The result could not cross the process boundary (an integer beyond 64 bits, which only the
+    # Python-json fallback keeps): the consumer process decodes this record itself.
     redo: bool = False
 
 
@@ -287,8 +287,8 @@ class DecodePool:
 
     def _exited(self, worker: _Worker, exitcode: int | None) -> None:
         self.alive = any(w.alive for w in self._workers)
-        log.error("decode worker %d exited unexpectedly (exit code %s); its %s are decoded in the "
-                  "consumer process%s", worker.index, exitcode, "records",
+        log.error("decode worker %d exited unexpectedly (exit code %s); its records are decoded in the "
+                  "consumer process%s", worker.index, exitcode,
                   "" if self.alive else ", as are all records from now on")
         if self._on_worker_lost is not None:
             self._on_worker_lost()
