@@ -379,19 +379,39 @@ def _tool_name(inputs: Any) -> str | None:
     return None
 
 
+class _NotLean(Exception):
+    """A span list the lean walk cannot prune safely (a repeated span id, a child listed before its
+    parent or under a parent no span has): read again keeping every span."""
+
+
 def _wire_spans(spans_raw: list[_WireSpan], span_usage: bool) -> list[Span]:
     """The `Span`s `_span(..., everything=False)` builds (but for what `parse_canonical_json`
     documents), or `_NotCanonical`. The struct types already hold the checks `_span` makes with
-    `type()`; what they cannot state is checked here. `span_usage=False` leaves the spans' token
-    usage unread (derivation reads it only when the trace does not state its own).
+    `type()`; what they cannot state is checked here.
 
-    The stream's hottest loop: most spans (chat models, chains) need nothing past the `Span` call,
-    and the payload decoding is inlined for the common case, its fallbacks in `_raw_attr`."""
+    `span_usage=False` (the trace states its own token usage, so derivation sums none) keeps only
+    the spans `derive()` reads: those without a parent, TOOL spans, and RETRIEVER spans with no
+    RETRIEVER above them; the chains, model calls and rerankers around them (half the spans of a
+    RAG agent's trace) are checked like the rest but never become `Span`s."""
+    if not span_usage:
+        try:
+            return _walk(spans_raw, False, True)
+        except _NotLean:
+            pass
+    return _walk(spans_raw, span_usage, False)
+
+
+def _walk(spans_raw: list[_WireSpan], span_usage: bool, lean: bool) -> list[Span]:
+    # The stream's hottest loop: most spans need nothing past the kind check (lean) or the `Span`
+    # call, and the payload decoding is inlined for the common case, its fallbacks in `_raw_attr`.
     raw_kinds, status_of, unset, unknown, tool, retriever = (
         _RAW_KINDS, _STATUS, _UNSET, _UNKNOWN, _TOOL, _RETRIEVER)
     span_of, no_events, text_of, loads = Span, _NO_EVENTS, _STRING_DECODER.decode, orjson.loads
     inline_errors = (msgspec.ValidationError, orjson.JSONDecodeError)
     ids: dict[bytes, str] = {}  # every parent id is some span's id
+    # Lean: RETRIEVER spans and every span below one. A retriever whose parent is in here is
+    # nested (`top_level_retrievers` would leave it out), which needs parents listed first.
+    below_retriever: set[bytes] = set()
     spans: list[Span] = []
     append = spans.append
     try:
@@ -399,6 +419,8 @@ def _wire_spans(spans_raw: list[_WireSpan], span_usage: bool) -> list[Span]:
             sid = raw.span_id
             if len(sid) != 8:
                 raise _NotCanonical
+            if lean and sid in ids:
+                raise _NotLean
             span_id = ids[sid] = sid.hex()
             parent = raw.parent_span_id
             if parent is None:
@@ -406,6 +428,8 @@ def _wire_spans(spans_raw: list[_WireSpan], span_usage: bool) -> list[Span]:
             else:
                 parent_id = ids.get(parent)
                 if parent_id is None:  # a child listed before its parent
+                    if lean:
+                        raise _NotLean
                     if len(parent) != 8:
                         raise _NotCanonical
                     parent_id = ids[parent] = parent.hex()
@@ -415,6 +439,19 @@ def _wire_spans(spans_raw: list[_WireSpan], span_usage: bool) -> list[Span]:
             kind = unknown if kind_raw is None else raw_kinds.get(kind_raw)
             if kind is None:
                 kind = _kind_of(kind_raw)
+            if lean and parent_id is not None:
+                if parent in below_retriever:
+                    below_retriever.add(sid)
+                    keep = kind is tool
+                elif kind is retriever:
+                    below_retriever.add(sid)
+                    keep = True
+                else:
+                    keep = kind is tool
+                if not keep:
+                    if events != no_events:
+                        _events_exception(events)  # checked as the general reader checks it
+                    continue
             status = raw.status
             span = span_of(
                 span_id, parent_id, raw.name, raw.start_time_unix_nano,
@@ -461,7 +498,8 @@ def parse_canonical_json(payload: bytes | str, *, app_tag: str | None = None) ->
     `parse_trace(orjson.loads(payload), everything=False)`. The traces differ in
     what derivation does not read: a non-root retriever's MLflow documents are in
     `Span.documents` rather than `Span.outputs`, the root's `attributes` hold only its HTTP
-    status, and when the trace states its token usage the spans' `token_usage` is left None.
+    status, and when the trace states its token usage the spans' `token_usage` is left None and
+    only the spans derivation then reads are kept (see `_wire_spans`).
     """
     try:
         if not payload.isascii():

@@ -27,10 +27,10 @@ from support import mlflow_apps
 
 from tracejudge.schemas import errors
 from tracejudge.schemas import mlflow as parser
-from tracejudge.schemas.derive import HTTP_STATUS_KEYS, derive, documents_from_output
+from tracejudge.schemas.derive import HTTP_STATUS_KEYS, derive, documents_from_output, top_level_retrievers
 from tracejudge.schemas.detect import normalise
 from tracejudge.schemas.errors import RecordError
-from tracejudge.schemas.trace import Trace
+from tracejudge.schemas.trace import Span, SpanKind, Trace
 
 TRACES = {name: json.loads(text) for name, text in mlflow_apps.run_all().items()}
 # Traces with every kind of span the msgspec path treats specially: retrievers (nested too),
@@ -100,13 +100,29 @@ def _result(normalise_: Callable[[], Any]) -> Any:
         return (exc.reason, exc.field, exc.detail)
 
 
-def _assert_same_trace(lean: Trace, general: Trace) -> None:
+def _read_by_derive(general: Trace) -> list[Span]:
+    """The spans `derive()` reads of a trace that states its usage: those without a parent, TOOL
+    spans and the RETRIEVER spans `top_level_retrievers` picks."""
+    top = {id(span) for span in top_level_retrievers(general.spans)}
+    return [span for span in general.spans
+            if span.parent_id is None or span.kind == SpanKind.TOOL or id(span) in top]
+
+
+def _assert_same_trace(lean: Trace, general: Trace, *, pruned: bool | None = None) -> None:
     """Equal but for what `parse_canonical_json` documents: a non-root retriever's MLflow documents
     are in `documents` rather than `outputs`, the root's `attributes` hold only its HTTP status, and
-    span usage is left unread when the trace states its own."""
+    when the trace states its own usage, span usage is left unread and only the spans derivation
+    reads are kept (all of them when the span list cannot be pruned safely). `pruned` says which
+    of the two span lists is expected, when the caller knows."""
     assert msgspec.structs.replace(lean, spans=[]) == msgspec.structs.replace(general, spans=[])
-    assert len(lean.spans) == len(general.spans)
-    for span, reference in zip(lean.spans, general.spans, strict=True):
+    references = general.spans
+    if general.token_usage is not None and (pruned or len(lean.spans) != len(general.spans)):
+        references = _read_by_derive(general)
+    elif pruned:
+        raise AssertionError("expected the spans derivation reads only: the trace states no usage")
+    if pruned is False:
+        assert len(lean.spans) == len(general.spans)
+    for span, reference in zip(lean.spans, references, strict=True):
         if span.documents is not None:
             assert span.parent_id is not None and span.outputs is None and reference.documents is None
             assert span.documents == documents_from_output(reference.outputs)
@@ -135,7 +151,8 @@ def test_real_traces_read_alike(name: str) -> None:
     for text in (payload, payload.decode()):
         lean = parser.parse_canonical_json(text)
         assert lean is not None  # the shape MLflow writes is read by the msgspec path
-        _assert_same_trace(lean, general)
+        # MLflow lists parents first: with usage stated, only the spans derivation reads are kept.
+        _assert_same_trace(lean, general, pruned=general.token_usage is not None)
     record = derive(general)
     assert derive(lean) == record == normalise(payload) == normalise(doc)
     # Decoding only what derivation reads leaves the record as decoding everything does.
@@ -151,6 +168,8 @@ def test_real_traces_read_alike(name: str) -> None:
     lambda spans: spans[-1]["attributes"].update({"mlflow.spanType": '"WORKFLOW"'}),
     lambda spans: spans[-1].update(end_time_unix_nano=0),
     lambda spans: spans.reverse(),  # children before their parents
+    lambda spans: spans[-1].update(span_id=spans[0]["span_id"]),  # a repeated span id
+    lambda spans: spans[-1].update(parent_span_id="AAAAAAAAAAA="),  # a parent no span has
 ])
 def test_edits_that_keep_the_exact_shape_stay_on_the_msgspec_path(edit: Callable[[list[Any]], None]) -> None:
     doc = copy.deepcopy(TRACES["rag"])
@@ -160,6 +179,27 @@ def test_edits_that_keep_the_exact_shape_stay_on_the_msgspec_path(edit: Callable
     general = parser.parse_trace(doc, everything=False)
     _assert_same_trace(lean, general)
     assert derive(lean) == derive(general)
+
+
+def test_spans_derivation_does_not_read_are_dropped_only_when_the_trace_states_usage() -> None:
+    # multi_retriever: a retriever wrapping another, chat spans with usage, the trace's own usage.
+    doc = TRACES["multi_retriever"]
+    general = parser.parse_trace(doc, everything=False)
+    assert general.token_usage is not None
+    lean = parser.parse_canonical_json(orjson.dumps(doc))
+    assert lean is not None
+    kinds = [span.kind for span in lean.spans]
+    assert SpanKind.CHAT_MODEL not in kinds and len(lean.spans) < len(general.spans)
+    nested = [s for s in general.spans if s.kind == SpanKind.RETRIEVER and s not in
+              top_level_retrievers(general.spans)]
+    assert nested and not {s.span_id for s in nested} & {s.span_id for s in lean.spans}
+    assert derive(lean) == derive(general)
+    # Without a trace-level usage, derivation sums the spans' own: every span is kept.
+    unstated = copy.deepcopy(doc)
+    del unstated["info"]["trace_metadata"]["mlflow.trace.tokenUsage"]
+    every = parser.parse_canonical_json(orjson.dumps(unstated))
+    assert every is not None and len(every.spans) == len(general.spans)
+    assert derive(every) == derive(parser.parse_trace(unstated, everything=False))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
