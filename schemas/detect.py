@@ -107,7 +107,10 @@ def normalise(payload: bytes | str | Mapping[str, Any], fmt: str | None = None, 
     """
     record = _normalise(payload, fmt or "auto", app_tag)
     # Decoded JSON never holds a lone surrogate (see `python_json`); Python objects might.
-    return with_valid_text(record) if isinstance(payload, Mapping) else record
+    # (bytes first: the ABC check costs more than some of the parsing.)
+    if type(payload) is bytes or not isinstance(payload, Mapping):
+        return record
+    return with_valid_text(record)
 
 
 def _normalise(payload: bytes | str | Mapping[str, Any], fmt: str, app_tag: str | None) -> EvalRecord:

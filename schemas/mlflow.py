@@ -515,11 +515,8 @@ def parse_canonical_json(payload: bytes | str, *, app_tag: str | None = None) ->
         if type(raw_id) is not str:
             return None
         # Trace-level usage, when stated, is what derivation reports: span usage goes unread.
-        # (`_trace` reads it the same way: a string holding a usage object.)
-        metadata = info.get("trace_metadata")
-        stated = metadata.get(TRACE_USAGE) if type(metadata) is dict else None
-        span_usage = type(stated) is not str or _usage(_attr(stated)) is None
-        return _trace(info, raw_id, _wire_spans(wire.data.spans, span_usage), False, app_tag)
+        usage = _stated_usage(info.get("trace_metadata"))
+        return _trace(info, raw_id, _wire_spans(wire.data.spans, usage is None), False, app_tag, usage)
     except (msgspec.DecodeError, UnicodeError, _NotCanonical, _Malformed, KeyError, TypeError, ValueError,
             AttributeError, IndexError, OverflowError, RecursionError):
         return None
@@ -620,10 +617,18 @@ def _parse(obj: Mapping[str, Any], app_tag: str | None, everything: bool) -> Tra
         raise _Malformed
     ids: dict[str, str] = {}
     spans = [_span(s, v2, ids, everything) for s in spans_raw]
-    return _trace(info, raw_id, spans, v2, app_tag)
+    usage = _stated_usage(info.get("request_metadata" if v2 else "trace_metadata"))
+    return _trace(info, raw_id, spans, v2, app_tag, usage)
 
 
-def _trace(info: dict[str, Any], raw_id: str, spans: list[Span], v2: bool, app_tag: str | None) -> Trace:
+def _stated_usage(metadata: Any) -> TokenUsage | None:
+    """`mlflow.trace.tokenUsage` of the trace metadata: a string holding a usage object."""
+    stated = metadata.get(TRACE_USAGE) if type(metadata) is dict else None
+    return _usage(_attr(stated)) if type(stated) is str else None
+
+
+def _trace(info: dict[str, Any], raw_id: str, spans: list[Span], v2: bool, app_tag: str | None,
+           usage: TokenUsage | None) -> Trace:
     metadata = _str_map(_optional(info, "request_metadata" if v2 else "trace_metadata", dict))
     tags = _str_map(_optional(info, "tags", dict))
     for key in _METADATA_TAGS:
@@ -643,7 +648,7 @@ def _trace(info: dict[str, Any], raw_id: str, spans: list[Span], v2: bool, app_t
         state=_STATES.get(state) if state else None,
         request_time_ms=None if request_time is None else time_ms(request_time),
         duration_ms=_duration_ms(info, v2),
-        token_usage=_usage(_attr(metadata.get(TRACE_USAGE))),
+        token_usage=usage,
         tags=tags,
         metadata=metadata,
         expectations=_expectations(assessments),
