@@ -115,3 +115,35 @@ def test_a_worker_that_cannot_build_its_pipeline_is_a_startup_error(main_only_me
     assert "metrics.custom[words].function" in message and "consumer process's environment" in message
     assert not pool.alive
     assert all(w.process.pid is None or not w.process.is_alive() for w in pool._workers)
+
+
+def test_the_pipe_to_a_worker_has_wide_socket_buffers():
+    # Batches of ~20 KB records cross in a few large writes instead of dozens of ~200 KB ones.
+    import multiprocessing
+    import os
+    import pathlib
+    import socket
+
+    from tracejudge.consumer.decode_workers import _PIPE_BUFFER_BYTES, _widen
+
+    ours, theirs = multiprocessing.get_context("spawn").Pipe()
+    try:
+        _widen(ours)
+        cap = min(int(pathlib.Path(f"/proc/sys/net/core/{name}").read_text())
+                  for name in ("wmem_max", "rmem_max"))
+        sock = socket.socket(fileno=os.dup(ours.fileno()))
+        with sock:
+            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                # Linux reports twice what was set (its bookkeeping overhead), capped by the sysctl.
+                assert sock.getsockopt(socket.SOL_SOCKET, option) >= min(_PIPE_BUFFER_BYTES, cap)
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_batches_larger_than_the_socket_buffers_cross_whole():
+    big = "context " * 40_000  # ~320 KB a record, ~10 MB a batch: many writes even with wide buffers
+    values = [(f'{{"request": "q{i}", "response": "{big}"}}'.encode(), "agent_eval") for i in range(32)]
+    decoded = decode_in_pool(settings_with(), values)
+    assert [decoded[i].record.request for i in range(32)] == [f"q{i}" for i in range(32)]
+    assert all(decoded[i].record.response == big for i in range(32))
