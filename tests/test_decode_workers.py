@@ -5,6 +5,10 @@ test_stream_kafka.py."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import pathlib
+import socket
 import sys
 import textwrap
 import threading
@@ -13,7 +17,15 @@ import pytest
 from support.kafka import agent_traces
 
 from tracejudge.consumer.config import load_settings
-from tracejudge.consumer.decode_workers import DECODE, Decoded, DecodePool, WorkerStartError, decode_one
+from tracejudge.consumer.decode_workers import (
+    _PIPE_BUFFER_BYTES,
+    DECODE,
+    Decoded,
+    DecodePool,
+    WorkerStartError,
+    _widen,
+    decode_one,
+)
 from tracejudge.consumer.pipeline import build_pipeline
 
 
@@ -119,13 +131,6 @@ def test_a_worker_that_cannot_build_its_pipeline_is_a_startup_error(main_only_me
 
 def test_the_pipe_to_a_worker_has_wide_socket_buffers():
     # Batches of ~20 KB records cross in a few large writes instead of dozens of ~200 KB ones.
-    import multiprocessing
-    import os
-    import pathlib
-    import socket
-
-    from tracejudge.consumer.decode_workers import _PIPE_BUFFER_BYTES, _widen
-
     ours, theirs = multiprocessing.get_context("spawn").Pipe()
     try:
         _widen(ours)

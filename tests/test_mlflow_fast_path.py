@@ -181,6 +181,22 @@ def test_edits_that_keep_the_exact_shape_stay_on_the_msgspec_path(edit: Callable
     assert derive(lean) == derive(general)
 
 
+@pytest.mark.parametrize("edit", [
+    lambda spans: spans.reverse(),
+    lambda spans: spans[-1].update(span_id=spans[0]["span_id"]),
+    lambda spans: spans[-1].update(parent_span_id="AAAAAAAAAAA="),
+], ids=["children first", "repeated id", "unknown parent"])
+def test_span_lists_the_lean_walk_cannot_prune_keep_every_span(edit: Callable[[list[Any]], None]) -> None:
+    doc = copy.deepcopy(TRACES["rag"])
+    edit(doc["data"]["spans"])
+    general = parser.parse_trace(doc, everything=False)
+    assert general.token_usage is not None  # so only the span list's shape stops the pruning
+    lean = parser.parse_canonical_json(orjson.dumps(doc))
+    assert lean is not None
+    _assert_same_trace(lean, general, pruned=False)
+    assert derive(lean) == derive(general)
+
+
 def test_spans_derivation_does_not_read_are_dropped_only_when_the_trace_states_usage() -> None:
     # multi_retriever: a retriever wrapping another, chat spans with usage, the trace's own usage.
     doc = TRACES["multi_retriever"]
