@@ -128,6 +128,10 @@ class _Export:
         self._inner = inner
         self._released = False
 
+    @property
+    def released(self) -> bool:
+        return self._released
+
     def release(self) -> None:
         if self._released:
             raise RuntimeError("export released twice")
@@ -227,7 +231,20 @@ class RecordProcessor:
             self.decode_here(batch)
 
     def finish_decoded(self, item: tuple[Any, SourceRef, _Export, str | None], decoded: Decoded) -> None:
-        """Export, judge and publish what a decode worker made of one record (its receiver thread)."""
+        """Export, judge and publish what a decode worker made of one record (its receiver thread).
+        Never raises, and never leaves the record's offset held: should finishing fail before the
+        export is handed on, the record is dead-lettered."""
+        try:
+            self._finish_decoded(item, decoded)
+        except Exception as exc:
+            record, source, export, _ = item
+            log.exception("finishing %s[%s]@%s failed", source.topic, source.partition, source.offset)
+            if not export.released:
+                self.dead_letters.send(source=source, reason=PROCESSING_ERROR, ticket=export,
+                                       error=f"{type(exc).__name__}: {exc}", value=record.value,
+                                       key=record.key, headers=record.headers, timestamp_ms=record.timestamp)
+
+    def _finish_decoded(self, item: tuple[Any, SourceRef, _Export, str | None], decoded: Decoded) -> None:
         if decoded.redo:
             self.decode_here([item])
             return
@@ -276,7 +293,14 @@ class RecordProcessor:
             self.dead_letters.send(source=source, reason=PROCESSING_ERROR, ticket=self.exports.start(ticket),
                                    error=f"{type(exc).__name__}: {exc}", value=None, count_record=count)
             return
-        self._judge_and_finish(result, self.exports.start(ticket), count)
+        export = self.exports.start(ticket)
+        try:
+            self._judge_and_finish(result, export, count)
+        except Exception as exc:  # a bug past evaluation must not hold the offset back either
+            log.exception("finishing %s[%s]@%s failed", source.topic, source.partition, source.offset)
+            if not export.released:
+                self.dead_letters.send(source=source, reason=PROCESSING_ERROR, ticket=export, value=None,
+                                       error=f"{type(exc).__name__}: {exc}", count_record=count)
 
     def _judge_and_finish(self, result: EvaluationResult, export: _Export, count: bool) -> None:
         if self.judge is None:
@@ -305,11 +329,11 @@ class RecordProcessor:
     def _finish(self, result: EvaluationResult, export: _Export, count: bool) -> None:
         try:
             self.exporter.export(result)
+            if count:
+                self.exporter.count_ok(result.source.topic or "")
         except Exception:  # a metrics bug must not hold the offset back
             src = result.source
             log.exception("exporting metrics of %s[%s]@%s failed", src.topic, src.partition, src.offset)
-        if count:
-            self.exporter.count_ok(result.source.topic or "")
         self.results.publish(result, export)
 
     def emit_assembled(self, trace: Any) -> None:

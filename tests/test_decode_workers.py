@@ -14,7 +14,9 @@ import textwrap
 import threading
 
 import pytest
-from support.kafka import agent_traces
+from kafka.consumer.fetcher import ConsumerRecord
+from kafka.structs import TopicPartition
+from support.kafka import agent_traces, wait_until
 
 from tracejudge.consumer.config import load_settings
 from tracejudge.consumer.decode_workers import (
@@ -26,7 +28,11 @@ from tracejudge.consumer.decode_workers import (
     _widen,
     decode_one,
 )
-from tracejudge.consumer.pipeline import build_pipeline
+from tracejudge.consumer.offsets import OffsetTracker
+from tracejudge.consumer.pipeline import Pipeline, build_pipeline
+from tracejudge.consumer.sinks import DeadLetterSink, ResultSink
+from tracejudge.consumer.stream import RecordProcessor
+from tracejudge.metrics.prometheus import PrometheusExporter
 
 
 class Collected:
@@ -152,3 +158,31 @@ def test_batches_larger_than_the_socket_buffers_cross_whole():
     decoded = decode_in_pool(settings_with(), values)
     assert [decoded[i].record.request for i in range(32)] == [f"q{i}" for i in range(32)]
     assert all(decoded[i].record.response == big for i in range(32))
+
+
+@pytest.mark.parametrize("workers", [0, 1], ids=["in-process", "decode-worker"])
+def test_a_record_that_fails_past_decoding_is_dead_lettered_and_its_offset_released(workers):
+    # A judge hook with a bug (what it returns is not a future) fails every record after it was
+    # decoded and evaluated: each is dead-lettered, and the partition's offset moves on.
+    exporter, tracker = PrometheusExporter(), OffsetTracker()
+    dead_letters = DeadLetterSink(None, None, exporter)
+    results = ResultSink(None, None, exporter, dead_letters)
+    processor = RecordProcessor(Pipeline(), tracker, exporter, results, dead_letters, {"t": "mlflow"},
+                                max_record_bytes=1 << 20, judge=lambda record: None)
+    pool = None
+    if workers:
+        pool = DecodePool(settings_with(), 1, on_decoded=processor.finish_decoded,
+                          on_lost=processor.decode_here).start(timeout=60)
+        processor.decoder = pool
+    tp = TopicPartition("t", 0)
+    try:
+        for offset, trace in enumerate(agent_traces(5, seed=8)):
+            processor.process(tp, ConsumerRecord("t", 0, -1, offset, 0, 0, b"k", trace.payload, [], None,
+                                                 1, len(trace.payload), 0))
+        processor.flush()
+        wait_until(lambda: tracker.in_flight == 0, 60, message="every record released")
+    finally:
+        if pool is not None:
+            pool.close()
+    assert tracker.committable()[tp].offset == 5
+    assert exporter.dead_letters.labels(reason="processing_error")._value.get() == 5
