@@ -304,8 +304,9 @@ class StreamSettings(Section):
     # Records fetched and not yet exported; past it fetching pauses (memory stays bounded).
     max_in_flight: int = Field(default=2_000, gt=0)
     # Processes that decode and score MLflow / agent-evaluation / inference-log records beside the
-    # consumer (consumer/decode_workers.py); 0 decodes on the poll thread. One per spare CPU.
-    decode_workers: int = Field(default=0, ge=0, le=32)
+    # consumer (consumer/decode_workers.py); 0 decodes on the poll thread. "auto": one when the
+    # process may use two CPUs or more (affinity and cgroup quota) and a topic can use it, else 0.
+    decode_workers: int | Literal["auto"] = "auto"
     # Larger records are dead-lettered (reason too_large) without being parsed.
     max_record_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     commit_interval_ms: int = Field(default=1_000, ge=0)
@@ -316,6 +317,19 @@ class StreamSettings(Section):
     lag_interval_seconds: float = Field(default=2.0, gt=0)
 
     _split = field_validator("topics", mode="before")(_split_list)
+
+    @field_validator("decode_workers", mode="before")
+    @classmethod
+    def _workers(cls, v: Any) -> int | str:
+        # One message rather than pydantic's two (one per branch of the union).
+        if isinstance(v, str) and v.strip().lower() == "auto":
+            return "auto"
+        number = v.strip() if isinstance(v, str) else v
+        if isinstance(number, str) and number.isdigit():
+            number = int(number)
+        if type(number) is not int or not 0 <= number <= 32:
+            raise ValueError(f'expected "auto" or a number of worker processes from 0 to 32, got {v!r}')
+        return number
 
     @field_validator("results_topic", "dead_letter_topic")
     @classmethod

@@ -15,17 +15,31 @@ over, so the in-flight cap, revocation and shutdown wait for it like for any oth
 dies (OOM-killed, a crash in native code) hands its unfinished records back to be decoded in the
 consumer process, which goes on without that worker (counted in tracejudge_decode_workers_lost).
 OTLP topics (trace assembly) and custom format handlers stay in the consumer process.
+
+`stream.decode_workers: auto` (the default) starts one worker when the process may use two CPUs or
+more (`available_cpus`: its affinity mask, lowered by a cgroup CPU quota), none otherwise. One, not
+one per CPU: with one worker the consumer process (fetching, exporting, committing) is already about
+as busy as the worker, so a second one mostly waits for it; and below two CPUs the hand-over costs
+more CPU than it frees.
+
+Workers are plain subprocesses (`python -c …`) speaking over a socket pair, not multiprocessing
+children: a spawned multiprocessing child re-imports the parent's `__main__`, which breaks a script
+that embeds `StreamRunner` without an `if __name__ == "__main__":` guard.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
+import math
 import os
+import pathlib
+import pickle
 import queue
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -43,7 +57,8 @@ if TYPE_CHECKING:
     from tracejudge.consumer.config import Settings
     from tracejudge.consumer.pipeline import Pipeline
 
-__all__ = ["DECODE", "EVALUATE", "DecodePool", "Decoded", "WorkerStartError", "decode_one"]
+__all__ = ["DECODE", "EVALUATE", "DecodePool", "Decoded", "WorkerStartError", "auto_workers",
+           "available_cpus", "decode_one"]
 
 log = logging.getLogger("tracejudge.run")
 
@@ -95,12 +110,26 @@ def decode_one(pipeline: Pipeline, value: bytes, fmt: str | None) -> Decoded:
                    source_format=record.source_format, seconds=time.perf_counter() - started)
 
 
-def _serve(conn: Connection, settings: Settings) -> None:
-    """The worker process: build the pipeline, then decode batches until told to stop or orphaned."""
+def serve(fd: int) -> None:
+    """The worker process's entry point (`python -c`): `fd` is its end of the socket pair. The first
+    message is the consumer's `sys.path` and settings (pickled: it holds the secrets the pipeline
+    needs, and never leaves the pair of processes), then batches until told to stop or orphaned."""
     # The consumer process owns shutdown: Ctrl-C in a terminal reaches the whole process group, and
     # the worker must finish what it was given rather than die with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    conn = Connection(fd)
+    try:
+        path, settings = pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return
+    # Custom metrics are named by dotted path: the worker must find what the consumer process finds.
+    sys.path[:] = path
+    with contextlib.suppress(EOFError, OSError):  # EOF or a broken pipe: the consumer process is gone
+        _serve(conn, settings)
+
+
+def _serve(conn: Connection, settings: Settings) -> None:
     from tracejudge.consumer.pipeline import build_pipeline
 
     try:
@@ -111,13 +140,7 @@ def _serve(conn: Connection, settings: Settings) -> None:
     conn.send_bytes(_READY)
     requests = msgspec.msgpack.Decoder(list[tuple[bytes, str | None]])
     encoder = msgspec.msgpack.Encoder()
-    while True:
-        try:
-            data = conn.recv_bytes()
-        except (EOFError, OSError):  # the consumer process is gone
-            return
-        if data == _STOP:
-            return
+    while (data := conn.recv_bytes()) != _STOP:
         out = [decode_one(pipeline, value, fmt) for value, fmt in requests.decode(data)]
         try:
             reply = encoder.encode(out)
@@ -142,16 +165,80 @@ def _transferable(encoder: msgspec.msgpack.Encoder, decoded: Decoded) -> Decoded
 _PIPE_BUFFER_BYTES = 4 * 1024 * 1024
 
 
-def _widen(conn: Connection) -> None:
-    """Raise the socket buffers of one end of a `Pipe()` (each end is a socket of its own, and the
-    worker inherits its end as it is); best effort."""
-    try:
-        sock = socket.socket(fileno=os.dup(conn.fileno()))
-    except OSError:
-        return
-    with sock, contextlib.suppress(OSError):
+def _widen(sock: socket.socket) -> None:
+    """Raise the socket buffers of one end of the pair (each end has its own); best effort."""
+    with contextlib.suppress(OSError):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _PIPE_BUFFER_BYTES)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _PIPE_BUFFER_BYTES)
+
+
+def available_cpus(cgroup_root: str | os.PathLike[str] = "/sys/fs/cgroup",
+                   proc_cgroup: str | os.PathLike[str] = "/proc/self/cgroup") -> int:
+    """CPUs this process may keep busy: its affinity mask, lowered to a cgroup CPU quota (a
+    container's CPU limit; cgroup v2 `cpu.max` or v1 `cpu.cfs_quota_us`) rounded down, at least 1.
+    A quota of 1.5 CPUs counts as 1: handing records to a worker costs CPU of its own, which pays
+    off only with two whole CPUs."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_quota(pathlib.Path(cgroup_root), pathlib.Path(proc_cgroup))
+    if quota is not None:
+        cpus = min(cpus, math.floor(quota))
+    return max(1, cpus)
+
+
+def _cgroup_quota(root: pathlib.Path, proc_cgroup: pathlib.Path) -> float | None:
+    """The tightest CPU quota, in CPUs, over this process's cgroup and its ancestors; None if none."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        _, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if controllers == "":  # cgroup v2: "0::/path", files under the one mount
+            v2, mount = True, root
+        elif "cpu" in controllers.split(","):  # v1: "4:cpu,cpuacct:/path"
+            v2 = False
+            mount = next((root / name for name in (controllers, "cpu", "cpu,cpuacct")
+                          if (root / name).is_dir()), None)
+            if mount is None:
+                continue
+        else:
+            continue
+        # Inside a container's cgroup namespace the path is "/" and the mount is the cgroup itself;
+        # outside one, walk from the process's own cgroup up to the root.
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            directory = mount.joinpath(*parts[:depth])
+            quota = _read_v2_quota(directory) if v2 else _read_v1_quota(directory)
+            if quota is not None:
+                quotas.append(quota)
+    return min(quotas) if quotas else None
+
+
+def _read_v2_quota(directory: pathlib.Path) -> float | None:
+    try:
+        limit, _, period = (directory / "cpu.max").read_text().strip().partition(" ")
+        return None if limit == "max" else int(limit) / int(period or 100_000)
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _read_v1_quota(directory: pathlib.Path) -> float | None:
+    try:
+        quota = int((directory / "cpu.cfs_quota_us").read_text())
+        period = int((directory / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def auto_workers(cpus: int) -> int:
+    """`stream.decode_workers: auto`: one worker from two CPUs up (see the module docstring)."""
+    return 1 if cpus >= 2 else 0
 
 
 class WorkerStartError(RuntimeError):
@@ -167,14 +254,9 @@ OnLost = Callable[[Sequence[Item]], None]
 class _Worker:
     def __init__(self, index: int, settings: Settings, on_decoded: OnDecoded, on_lost: OnLost,
                  on_exit: Callable[[_Worker, int | None], None]) -> None:
-        ctx = multiprocessing.get_context("spawn")  # fork is unsafe beside kafka-python's threads
         self.index = index
-        self._conn, child = ctx.Pipe()
-        _widen(self._conn)
-        _widen(child)
-        self.process = ctx.Process(target=_serve, args=(child, settings), daemon=True,
-                                   name=f"tracejudge-decode-{index}")
-        self._child = child
+        self._settings = settings
+        self.process: subprocess.Popen[bytes] | None = None
         self._on_decoded, self._on_lost, self._on_exit = on_decoded, on_lost, on_exit
         # Batches sent and not yet answered, oldest first: the worker answers in order.
         self._pending: deque[list[Item]] = deque()
@@ -184,11 +266,27 @@ class _Worker:
         self.alive = False
 
     def start(self, timeout: float) -> None:
-        self.process.start()
-        self._child.close()  # ours is closed so the worker's death reads as EOF
+        ours, theirs = socket.socketpair()
+        _widen(ours)
+        _widen(theirs)
+        self._conn = Connection(ours.detach())
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", f"from {__name__} import serve; serve({theirs.fileno()})"],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        except OSError as exc:
+            raise WorkerStartError(f"decode worker {self.index} could not start: {exc}") from None
+        finally:
+            theirs.close()  # the worker's copy is its own: its death reads as EOF here
+        try:
+            self._conn.send_bytes(pickle.dumps((sys.path, self._settings)))
+        except (OSError, pickle.PicklingError) as exc:
+            self.process.kill()
+            raise WorkerStartError(f"decode worker {self.index} could not be given its settings: "
+                                   f"{exc}") from None
         deadline = time.monotonic() + timeout
         while not self._conn.poll(0.2):
-            if not self.process.is_alive():
+            if self.process.poll() is not None:
                 break  # its exit code is reported below
             if time.monotonic() > deadline:
                 self.process.kill()
@@ -196,10 +294,10 @@ class _Worker:
         try:
             hello = self._conn.recv_bytes()
         except (EOFError, OSError):
-            self.process.join(5)
             raise WorkerStartError(f"decode worker {self.index} exited while starting (exit code "
-                                   f"{self.process.exitcode})") from None
+                                   f"{self._wait(5)})") from None
         if hello != _READY:
+            self._wait(5)
             raise WorkerStartError(f"decode worker {self.index} could not build the pipeline: "
                                    f"{hello.decode(errors='replace')}")
         self.alive = True
@@ -209,6 +307,15 @@ class _Worker:
                          daemon=True).start()
         threading.Thread(target=self._receive_loop, name=f"tracejudge-decode-{self.index}-receive",
                          daemon=True).start()
+
+    def _wait(self, timeout: float) -> int | None:
+        """The worker's exit code once it has exited (killed after `timeout` seconds)."""
+        assert self.process is not None
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
 
     def submit(self, items: list[Item], payload: bytes) -> None:
         with self._lock:
@@ -248,9 +355,9 @@ class _Worker:
         with self._lock:
             unanswered = [item for batch in self._pending for item in batch]
             self._pending.clear()
-        self.process.join(5)
+        exitcode = self._wait(5)
         if not self._closing:
-            self._on_exit(self, self.process.exitcode)
+            self._on_exit(self, exitcode)
             if unanswered:
                 self._on_lost(unanswered)
         self._conn.close()
@@ -285,6 +392,10 @@ class DecodePool:
         self.alive = True
         return self
 
+    def live(self) -> int:
+        """How many workers are running."""
+        return sum(w.alive for w in self._workers)
+
     def submit(self, items: list[Item], values: list[tuple[bytes, str | None]]) -> bool:
         """Hand one batch to the next live worker; False when none is alive."""
         for _ in range(len(self._workers)):
@@ -302,12 +413,8 @@ class DecodePool:
             worker.close()
         deadline = time.monotonic() + timeout
         for worker in self._workers:
-            if worker.process.pid is None:
-                continue
-            worker.process.join(max(0.0, deadline - time.monotonic()))
-            if worker.process.is_alive():
-                worker.process.kill()
-                worker.process.join(5)
+            if worker.process is not None:
+                worker._wait(max(0.0, deadline - time.monotonic()))
 
     def _exited(self, worker: _Worker, exitcode: int | None) -> None:
         self.alive = any(w.alive for w in self._workers)

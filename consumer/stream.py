@@ -46,6 +46,8 @@ from tracejudge.consumer.decode_workers import (
     Decoded,
     DecodePool,
     WorkerStartError,
+    auto_workers,
+    available_cpus,
     decode_one,
 )
 from tracejudge.consumer.http_server import OperationsServer
@@ -430,10 +432,8 @@ class StreamRunner:
                  exporter: PrometheusExporter | None = None, judges: Any = None,
                  handlers: Mapping[str, FormatHandler] | None = None) -> None:
         self.settings = settings
-        # Decode workers build their own pipeline from the settings: a pipeline given here is not theirs.
-        self._decode_workers = settings.stream.decode_workers if pipeline is None else 0
-        if pipeline is not None and settings.stream.decode_workers:
-            log.warning("stream.decode_workers is ignored: the runner was given its own Pipeline")
+        self.handlers = dict(handlers or {})
+        self._decode_workers, self._workers_why = self._size_decode_workers(pipeline is not None)
         self.pipeline = pipeline or build_pipeline(settings)
         ratio = getattr(getattr(self.pipeline, "metrics", None), "ratio_metrics", RATIO_METRICS)
         self.exporter = exporter or PrometheusExporter(max_apps=settings.prometheus.max_apps,
@@ -444,7 +444,6 @@ class StreamRunner:
         self.tracker = OffsetTracker()
         self.exports = Exports()
         self.exporter.in_flight.set_function(lambda: self.tracker.in_flight)
-        self.handlers = dict(handlers or {})
         self.http_port: int | None = None
         self.error: BaseException | None = None
 
@@ -512,6 +511,8 @@ class StreamRunner:
         try:
             if self._decode_workers:
                 self._decoder = self._start_decoder(self._decode_workers)
+            else:
+                log.info("decoding in the consumer process (%s)", self._workers_why)
             if s.http.enabled:
                 try:
                     self._http = OperationsServer(self.registry, host=s.http.bind_address, port=s.http.port,
@@ -526,6 +527,29 @@ class StreamRunner:
             self._loop(self._processor)
         finally:
             self._shutdown()
+
+    def _size_decode_workers(self, own_pipeline: bool) -> tuple[int, str]:
+        """How many decode workers to start (`stream.decode_workers`), and why, for the log."""
+        wanted = self.settings.stream.decode_workers
+        auto = wanted == "auto"
+        if own_pipeline:
+            # Decode workers build their own pipeline from the settings: a pipeline given here is not theirs.
+            if not auto and wanted:
+                log.warning("stream.decode_workers is ignored: the runner was given its own Pipeline")
+            return 0, "the runner was given its own Pipeline"
+        # OTLP topics go through trace assembly and custom handlers run here: neither uses workers.
+        if not any(t.format not in otlp.FORMATS and t.format not in self.handlers
+                   for t in self.settings.stream.topics):
+            if not auto and wanted:
+                log.warning("stream.decode_workers is ignored: every topic is OTLP spans or has its own "
+                            "handler, which are decoded in the consumer process")
+            return 0, "no topic of MLflow, agent-evaluation or inference-log records"
+        if not auto:
+            assert isinstance(wanted, int)
+            return wanted, "stream.decode_workers"
+        cpus = available_cpus()
+        plural = "s" if cpus > 1 else ""
+        return auto_workers(cpus), f"stream.decode_workers: auto, {cpus} CPU{plural} available"
 
     def _start_decoder(self, workers: int) -> DecodePool:
         def decoded(item: Any, result: Decoded) -> None:
@@ -542,7 +566,8 @@ class StreamRunner:
             pool.start()
         except WorkerStartError as exc:
             raise StartupError(f"{exc} (stream.decode_workers)") from exc
-        log.info("decode workers ready: %d (stream.decode_workers)", workers)
+        self.exporter.decode_workers.set_function(pool.live)
+        log.info("decode workers ready: %d (%s)", workers, self._workers_why)
         return pool
 
     def _connect(self) -> RecordProcessor:

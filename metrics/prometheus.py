@@ -170,6 +170,8 @@ class PrometheusExporter:
                                     "and export one record on the consumer thread (not broker acks); "
                                     "decode and evaluate only when a decode worker did them.",
                                     buckets=PROCESSING_BUCKETS, registry=r)
+        self.decode_workers = Gauge("tracejudge_decode_workers", "Decode worker processes running beside "
+                                    "the consumer (stream.decode_workers).", registry=r)
         self.decode_workers_lost = Counter("tracejudge_decode_workers_lost", "Decode worker processes "
                                            "that exited unexpectedly (their records are decoded in the "
                                            "consumer process).", registry=r)

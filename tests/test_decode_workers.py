@@ -5,10 +5,10 @@ test_stream_kafka.py."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import pathlib
 import socket
+import subprocess
 import sys
 import textwrap
 import threading
@@ -26,6 +26,8 @@ from tracejudge.consumer.decode_workers import (
     DecodePool,
     WorkerStartError,
     _widen,
+    auto_workers,
+    available_cpus,
     decode_one,
 )
 from tracejudge.consumer.offsets import OffsetTracker
@@ -108,15 +110,16 @@ def test_a_result_that_cannot_cross_the_process_boundary_is_redone_by_the_consum
 @pytest.fixture
 def main_only_metrics(tmp_path, monkeypatch):
     (tmp_path / "main_only_metrics.py").write_text(textwrap.dedent("""
-        import multiprocessing
+        import os
 
-        if multiprocessing.parent_process() is not None:
+        if os.environ["CONSUMER_PID"] != str(os.getpid()):
             raise ImportError("this module needs the consumer process's environment")
 
         def words(record):
             return 1
     """))
-    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers get the parent's sys.path
+    monkeypatch.setenv("CONSUMER_PID", str(os.getpid()))
+    monkeypatch.syspath_prepend(str(tmp_path))  # workers are given the consumer process's sys.path
     yield
     sys.modules.pop("main_only_metrics", None)
 
@@ -132,24 +135,21 @@ def test_a_worker_that_cannot_build_its_pipeline_is_a_startup_error(main_only_me
     assert message.startswith("decode worker 0 could not build the pipeline")
     assert "metrics.custom[words].function" in message and "consumer process's environment" in message
     assert not pool.alive
-    assert all(w.process.pid is None or not w.process.is_alive() for w in pool._workers)
+    assert all(w.process is None or w.process.poll() is not None for w in pool._workers)
 
 
 def test_the_pipe_to_a_worker_has_wide_socket_buffers():
     # Batches of ~20 KB records cross in a few large writes instead of dozens of ~200 KB ones.
-    ours, theirs = multiprocessing.get_context("spawn").Pipe()
-    try:
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        before = ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         _widen(ours)
         cap = min(int(pathlib.Path(f"/proc/sys/net/core/{name}").read_text())
                   for name in ("wmem_max", "rmem_max"))
-        sock = socket.socket(fileno=os.dup(ours.fileno()))
-        with sock:
-            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-                # Linux reports twice what was set (its bookkeeping overhead), capped by the sysctl.
-                assert sock.getsockopt(socket.SOL_SOCKET, option) >= min(_PIPE_BUFFER_BYTES, cap)
-    finally:
-        ours.close()
-        theirs.close()
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            # Linux reports twice what was set (its bookkeeping overhead), capped by the sysctl.
+            assert ours.getsockopt(socket.SOL_SOCKET, option) >= min(_PIPE_BUFFER_BYTES, cap)
+        assert ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) > before or cap <= before
 
 
 def test_batches_larger_than_the_socket_buffers_cross_whole():
@@ -186,3 +186,86 @@ def test_a_record_that_fails_past_decoding_is_dead_lettered_and_its_offset_relea
             pool.close()
     assert tracker.committable()[tp].offset == 5
     assert exporter.dead_letters.labels(reason="processing_error")._value.get() == 5
+
+
+def cgroup_tree(tmp_path: pathlib.Path, proc: str, files: dict[str, str]) -> tuple[pathlib.Path, ...]:
+    root = tmp_path / "cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (tmp_path / "self-cgroup").write_text(proc)
+    return root, tmp_path / "self-cgroup"
+
+
+def test_available_cpus_is_the_affinity_lowered_to_a_whole_cgroup_quota(tmp_path):
+    affinity = len(os.sched_getaffinity(0))
+    cases = [
+        # cgroup v2 in a container's namespace: the quota on the mount itself.
+        ("0::/\n", {"cpu.max": "max 100000\n"}, affinity),
+        ("0::/\n", {"cpu.max": "150000 100000\n"}, 1),  # 1.5 CPUs: not two whole ones
+        ("0::/\n", {"cpu.max": "100000000 100000\n"}, affinity),  # 1000 CPUs: the affinity binds
+        # v2 outside a namespace: the tightest of the process's cgroup and its ancestors.
+        ("0::/kubepods/pod1/app\n", {"kubepods/pod1/cpu.max": "100000 100000\n",
+                                     "kubepods/pod1/app/cpu.max": "max 100000\n"}, 1),
+        # cgroup v1: cpu,cpuacct controller, unlimited (-1) and limited.
+        ("4:cpu,cpuacct:/\n1:memory:/\n", {"cpu,cpuacct/cpu.cfs_quota_us": "-1\n",
+                                           "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, affinity),
+        ("4:cpu,cpuacct:/\n", {"cpu,cpuacct/cpu.cfs_quota_us": "50000\n",
+                               "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, 1),  # half a CPU: still 1
+        ("2:cpuacct:/\n1:cpu:/job\n", {"cpu/job/cpu.cfs_quota_us": "100000\n",
+                                        "cpu/job/cpu.cfs_period_us": "100000\n"}, 1),
+        # Unreadable or garbled files: no quota known.
+        ("0::/\n", {"cpu.max": "lots\n"}, affinity),
+    ]
+    for i, (proc, files, expected) in enumerate(cases):
+        root, proc_file = cgroup_tree(tmp_path / str(i), proc, files)
+        assert available_cpus(root, proc_file) == min(expected, affinity), (proc, files)
+    assert available_cpus(tmp_path / "none", tmp_path / "none") == affinity
+
+
+def test_auto_starts_one_worker_from_two_cpus_up():
+    assert [auto_workers(n) for n in (1, 2, 3, 64)] == [0, 1, 1, 1]
+
+
+def test_the_runner_sizes_its_workers_from_the_setting_the_topics_and_the_cpus(caplog):
+    from tracejudge.consumer.stream import StreamRunner
+
+    def size(topics, workers="auto", **kwargs):
+        s = settings_with(**{"stream.topics": topics, "stream.decode_workers": workers})
+        return StreamRunner(s, judges=False, **kwargs)._decode_workers
+
+    assert size(["t"]) == auto_workers(available_cpus())
+    assert size(["t:mlflow", "spans:otlp_proto"]) == auto_workers(available_cpus())
+    assert size(["t"], 3) == 3 and size(["t"], 0) == 0
+    # OTLP spans go through trace assembly, which stays in the consumer process.
+    assert size(["spans:otlp_proto", "more:otlp_json"]) == 0
+    caplog.clear()
+    assert size(["spans:otlp_json"], 2) == 0
+    assert "every topic is OTLP spans" in caplog.text
+    # A pipeline given to the runner is not the workers' to build.
+    assert size(["t"], pipeline=Pipeline()) == 0
+    assert size(["t"], 2, pipeline=Pipeline()) == 0 and "given its own Pipeline" in caplog.text
+
+
+def test_a_script_without_a_main_guard_can_start_workers(tmp_path):
+    # A multiprocessing child would re-run this script's top level; a worker never imports it.
+    script = tmp_path / "embed.py"
+    script.write_text(textwrap.dedent("""
+        import threading
+        from tracejudge.consumer.config import load_settings
+        from tracejudge.consumer.decode_workers import DecodePool
+
+        got, done = [], threading.Event()
+        def decoded(item, result):
+            got.append(result.record.request)
+            done.set()
+        settings = load_settings(environ={}, overrides={"stream.topics": ["t"]})
+        pool = DecodePool(settings, 1, on_decoded=decoded, on_lost=print).start(timeout=60)
+        pool.submit([0], [(b'{"request": "hi", "response": "yo"}', None)])
+        assert done.wait(60)
+        pool.close()
+        print("answered:", got)
+    """))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "answered: ['hi']"

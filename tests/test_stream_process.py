@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import signal
 import threading
 
@@ -17,6 +18,23 @@ from support.kafka import (
     unique,
     wait_until,
 )
+
+from tracejudge.consumer.decode_workers import auto_workers, available_cpus
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of `pid` (Linux /proc)."""
+    return [int(c) for task in pathlib.Path(f"/proc/{pid}/task").iterdir()
+            for c in (task / "children").read_text().split()]
+
+
+def running(pid: int) -> bool:
+    """Neither gone nor a zombie (exited, waiting for whoever adopted it to reap it)."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_a_consumer_killed_mid_stream_and_restarted_loses_no_trace(broker):
@@ -39,9 +57,16 @@ def test_a_consumer_killed_mid_stream_and_restarted_loses_no_trace(broker):
         producer = threading.Thread(target=second_half)
         producer.start()
         wait_until(lambda: first.metric("tracejudge_records_total") > 100, 60, message="second half started")
+        # The default (stream.decode_workers: auto) runs a decode worker beside the consumer here.
+        assert first.metric("tracejudge_decode_workers") == auto_workers(available_cpus())
+        workers = children(first.proc.pid)
+        assert len(workers) == auto_workers(available_cpus())
         first.signal(signal.SIGKILL)
         killed_after = first.finish(timeout=30)
         producer.join(60)
+        # An orphaned worker sees its pipe close and exits: nothing is left running.
+        wait_until(lambda: not any(running(pid) for pid in workers), 30,
+                   message="the killed consumer's workers exit")
     finally:
         first.kill()
     assert killed_after == -signal.SIGKILL
