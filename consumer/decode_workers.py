@@ -13,7 +13,8 @@ the loop would, and sends back the evaluation records:
 Nothing changes for at-least-once: a record's ticket is held by an export from the moment it is handed
 over, so the in-flight cap, revocation and shutdown wait for it like for any other export. A worker that
 dies (OOM-killed, a crash in native code) hands its unfinished records back to be decoded in the
-consumer process, which goes on without that worker (counted in tracejudge_decode_workers_lost).
+consumer process (counted in tracejudge_decode_workers_lost) and is replaced by a new one, up to three
+times in ten minutes; the consumer process decodes its share meanwhile, or for good past that.
 OTLP topics (trace assembly) and custom format handlers stay in the consumer process.
 
 `stream.decode_workers: auto` (the default) starts one worker when the process may use two CPUs or
@@ -368,21 +369,35 @@ class DecodePool:
 
     `on_decoded(item, decoded)` and `on_lost(items)` run on the pool's receiver threads; `on_lost`
     gets the records a dead worker held, to be decoded by the caller. `submit` returns False when no
-    worker is alive (the caller decodes in-process).
+    worker is alive (the caller decodes in-process). A worker that dies is replaced by a new one, at
+    most `max_restarts` times in `restart_window` seconds: one that keeps dying (out of memory on
+    every batch, say) stays dead and the caller decodes its share.
     """
 
     def __init__(self, settings: Settings, workers: int, *, on_decoded: OnDecoded, on_lost: OnLost,
-                 on_worker_lost: Callable[[], None] | None = None) -> None:
-        self._workers = [_Worker(i, settings, on_decoded, on_lost, self._exited) for i in range(workers)]
+                 on_worker_lost: Callable[[], None] | None = None, max_restarts: int = 3,
+                 restart_window: float = 600.0) -> None:
+        self._settings, self._on_decoded, self._on_lost = settings, on_decoded, on_lost
+        self._workers = [self._new(i) for i in range(workers)]
         self._on_worker_lost = on_worker_lost
         self._encoder = msgspec.msgpack.Encoder()
         self._next = 0
+        self._timeout = 120.0
+        self._max_restarts, self._restart_window = max_restarts, restart_window
+        self._restarts: deque[float] = deque()
+        self._starting: list[_Worker] = []  # replacements being started, for close() to stop
+        self._closed = False
+        self._lock = threading.Lock()
         # Read for every record, so a plain attribute, kept up to date by start, close and _exited.
         self.alive = False
+
+    def _new(self, index: int) -> _Worker:
+        return _Worker(index, self._settings, self._on_decoded, self._on_lost, self._exited)
 
     def start(self, timeout: float = 120.0) -> DecodePool:
         """Start every worker and wait until each has built its pipeline; `WorkerStartError` if one
         cannot (the others are stopped)."""
+        self._timeout = timeout
         try:
             for worker in self._workers:
                 worker.start(timeout)
@@ -408,9 +423,15 @@ class DecodePool:
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the workers: each finishes the batch it is on, and is killed after `timeout`."""
+        with self._lock:
+            self._closed = True
+            starting = list(self._starting)
         self.alive = False
         for worker in self._workers:
             worker.close()
+        for worker in starting:  # its start fails on the kill, and it is not put in place
+            if worker.process is not None:
+                worker.process.kill()
         deadline = time.monotonic() + timeout
         for worker in self._workers:
             if worker.process is not None:
@@ -418,8 +439,49 @@ class DecodePool:
 
     def _exited(self, worker: _Worker, exitcode: int | None) -> None:
         self.alive = any(w.alive for w in self._workers)
+        now = time.monotonic()
+        with self._lock:
+            while self._restarts and now - self._restarts[0] > self._restart_window:
+                self._restarts.popleft()
+            restart = not self._closed and len(self._restarts) < self._max_restarts
+            if restart:
+                self._restarts.append(now)
+        if restart:
+            then = "starting a new one"
+        else:
+            then = (f"not restarted: {self._max_restarts} restarts in the last "
+                    f"{self._restart_window / 60:g} min; restart tracejudge to get it back")
         log.error("decode worker %d exited unexpectedly (exit code %s); its records are decoded in the "
-                  "consumer process%s", worker.index, exitcode,
-                  "" if self.alive else ", as are all records from now on")
+                  "consumer process%s; %s", worker.index, exitcode,
+                  "" if self.alive else ", as are all records until a worker runs again", then)
         if self._on_worker_lost is not None:
             self._on_worker_lost()
+        if restart:
+            threading.Thread(target=self._restart, args=(worker.index,), daemon=True,
+                             name=f"tracejudge-decode-{worker.index}-restart").start()
+
+    def _restart(self, index: int) -> None:
+        fresh = self._new(index)
+        with self._lock:
+            if self._closed:
+                return
+            self._starting.append(fresh)
+        try:
+            fresh.start(self._timeout)
+        except WorkerStartError as exc:
+            if not self._closed:
+                log.error("decode worker %d could not be restarted: %s", index, exc)
+            return
+        finally:
+            with self._lock:
+                self._starting.remove(fresh)
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._workers[index] = fresh
+                self.alive = True
+        if closed:  # close() ran while it started: it is not ours to keep
+            fresh.close()
+            fresh._wait(5)
+            return
+        log.info("decode worker %d restarted", index)

@@ -269,3 +269,35 @@ def test_a_script_without_a_main_guard_can_start_workers(tmp_path):
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == "answered: ['hi']"
+
+
+def test_a_worker_that_dies_is_replaced_and_one_that_keeps_dying_is_not(caplog):
+    values = [(t.payload, None) for t in agent_traces(4, seed=12)]
+    got = Collected(len(values))
+    deaths: list[int] = []
+    pool = DecodePool(settings_with(), 1, on_decoded=got.on_decoded, on_lost=got.on_lost,
+                      on_worker_lost=lambda: deaths.append(1), max_restarts=1).start(timeout=60)
+    try:
+        first = pool._workers[0].process
+        first.kill()
+        wait_until(lambda: pool.live() == 1 and pool._workers[0].process is not first, 60,
+                   message="a new worker in place")
+        assert len(deaths) == 1 and "starting a new one" in caplog.text
+        wait_until(lambda: not any(t.name.endswith("-restart") for t in threading.enumerate()), 30,
+                   message="the restart finished")
+        # The new worker decodes like the first.
+        assert pool.submit(list(range(len(values))), values)
+        assert got.all_in.wait(60)
+        assert all(got.decoded[i].record is not None for i in range(len(values)))
+
+        second = pool._workers[0].process
+        second.kill()
+        wait_until(lambda: len(deaths) == 2, 30, message="the second death seen")
+        # One restart allowed in the window, and it was used: the decision is made before the
+        # death is reported, so no restart can be under way now.
+        assert not any(t.name.endswith("-restart") for t in threading.enumerate())
+        assert pool._workers[0].process is second and not pool.alive and pool.live() == 0
+        assert not pool.submit([99], values[:1])
+        assert "not restarted: 1 restarts in the last 10 min" in caplog.text
+    finally:
+        pool.close()
