@@ -21,8 +21,9 @@ between rounds on a shared 2-core machine); "vs raw" is the median of each round
 rate in that round, and the rounds alternate direction (raw first, then raw last). The CPU ratio is
 the steadier figure: the wall-clock rates move with whatever else runs on the machine.
 
-Both modes run in this one process, so they share its allocator settings: the Dockerfile's
-GLIBC_TUNABLES (see there) speed both up, and the comparison stays like with like.
+Every mode runs in this one process, so they share its allocator settings (the Dockerfile's
+GLIBC_TUNABLES, see there, speed all of them up) and its collector settings (`gc_policy`, applied
+as `tracejudge run` applies them), and the comparison stays like with like.
 
     python bench/bench_stream.py                       # 6,000 records x 5 rounds
     python bench/bench_stream.py --records 3000 --rounds 2
@@ -43,6 +44,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import corpus
 from kafka import KafkaConsumer, KafkaProducer
 
+from tracejudge.consumer import gc_policy
 from tracejudge.consumer.broker import LocalBroker
 from tracejudge.consumer.config import load_settings
 from tracejudge.consumer.decode_workers import auto_workers, available_cpus
@@ -176,6 +178,8 @@ def main() -> None:
     with LocalBroker() as broker:
         bs = broker.bootstrap_servers
         fill_topic(bs, payloads, args.records)
+        # The collector set as `tracejudge run` sets it, for every mode alike (raw included).
+        gc_policy.apply()
         modes = {
             "raw": lambda r: raw(bs, f"raw-{r}", args.records),
             "run": lambda r: run(bs, f"run-{r}", args.records),

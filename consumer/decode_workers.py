@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from tracejudge.consumer import gc_policy
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.record import EvalRecord
 
@@ -138,6 +139,7 @@ def _serve(conn: Connection, settings: Settings) -> None:
     except Exception as exc:
         conn.send_bytes(f"{type(exc).__name__}: {exc}".encode())
         return
+    gc_policy.apply()  # the worker is a process of its own: its collector is ours
     conn.send_bytes(_READY)
     requests = msgspec.msgpack.Decoder(list[tuple[bytes, str | None]])
     encoder = msgspec.msgpack.Encoder()

@@ -39,6 +39,7 @@ import msgspec
 from kafka import AsyncConsumerRebalanceListener, KafkaConsumer, KafkaProducer
 from kafka.structs import TopicPartition
 
+from tracejudge.consumer import gc_policy
 from tracejudge.consumer.config import ConfigError, LoggingSettings, Settings, load_settings
 from tracejudge.consumer.decode_workers import (
     DECODE,
@@ -425,13 +426,17 @@ class StreamRunner:
     registry, `runner.exporter` the metric families, `runner.http_port` the bound port of the HTTP
     endpoint once serving. Without `pipeline`/`judges` they are built from the settings (`metrics:`
     and `judges:` sections); pass `judges=False` to run without judges whatever the settings say.
+    `tune_gc=True` (what `tracejudge run` passes) applies `gc_policy` to the whole process once
+    connected: only for a process that runs nothing else.
     Raises `ConfigError` when a custom metric or a judge cannot be set up.
     """
 
     def __init__(self, settings: Settings, pipeline: Pipeline | None = None, *,
                  exporter: PrometheusExporter | None = None, judges: Any = None,
-                 handlers: Mapping[str, FormatHandler] | None = None) -> None:
+                 handlers: Mapping[str, FormatHandler] | None = None, tune_gc: bool = False) -> None:
         self.settings = settings
+        # The process's collector is ours to tune only when the process is `tracejudge run`.
+        self._tune_gc = tune_gc
         self.handlers = dict(handlers or {})
         self._decode_workers, self._workers_why = self._size_decode_workers(pipeline is not None)
         self.pipeline = pipeline or build_pipeline(settings)
@@ -524,6 +529,8 @@ class StreamRunner:
                 log.info("serving /metrics, /healthz, /readyz on http://%s:%d", s.http.bind_address,
                          self.http_port)
             self._processor = self._connect()
+            if self._tune_gc:
+                gc_policy.apply()
             self._loop(self._processor)
         finally:
             self._shutdown()
@@ -964,7 +971,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"{key} = {json.dumps(value)}")
         return 0
     try:
-        runner = StreamRunner(settings)
+        runner = StreamRunner(settings, tune_gc=True)
     except ConfigError as exc:
         print(f"tracejudge run: {exc.report()}", file=sys.stderr)
         return 2

@@ -301,3 +301,17 @@ def test_a_worker_that_dies_is_replaced_and_one_that_keeps_dying_is_not(caplog):
         assert "not restarted: 1 restarts in the last 10 min" in caplog.text
     finally:
         pool.close()
+
+
+def test_the_gc_policy_freezes_start_up_objects_and_widens_the_first_generation():
+    # In a process of its own: the policy is process-wide, and this test process is not ours to tune.
+    code = textwrap.dedent("""
+        import gc
+        from tracejudge.consumer import gc_policy
+        before = gc.get_freeze_count(), gc.get_threshold()
+        gc_policy.apply()
+        print(before, gc.get_freeze_count() > 0, gc.get_threshold())
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "(0, (700, 10, 10)) True (10000, 10, 10)"

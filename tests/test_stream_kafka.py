@@ -7,6 +7,7 @@ encoded with the OTLP exporter's encoder.
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import threading
 
 import httpx
@@ -73,6 +74,8 @@ def test_every_trace_is_counted_published_and_committed(broker, workers):
                    and metric(port, "tracejudge_commits_total") >= 1, 30, message="lag reported")
         text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
     assert runner.readiness() == (False, "stopping")
+    # An embedded runner leaves its host's collector alone (only `tracejudge run` tunes it).
+    assert gc.get_freeze_count() == 0 and gc.get_threshold()[0] == 700
     assert len(out) == 60 and sorted(coordinates(out)) == sorted(placed)
     # One result per trace, keyed by its trace id, exactly what the offline pipeline computes.
     pipeline = Pipeline(app_tag="app")
