@@ -25,7 +25,10 @@ from tracejudge.consumer.decode_workers import (
     Decoded,
     DecodePool,
     WorkerStartError,
+    _batch,
+    _batch_parts,
     _widen,
+    _write_parts,
     auto_workers,
     available_cpus,
     decode_one,
@@ -315,3 +318,20 @@ def test_the_gc_policy_freezes_start_up_objects_and_widens_the_first_generation(
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "(0, (700, 10, 10)) True (10000, 10, 10)"
+
+
+def test_a_batch_crosses_whole_through_short_writes_and_many_parts():
+    values = [(f"record {i} ".encode() * (i % 7), "agent_eval" if i % 2 else None) for i in range(2500)]
+    parts = _batch_parts(values)
+    assert len(parts) > 2 * 1024  # more than one writev's worth of buffers (IOV_MAX is 1024)
+    written = bytearray()
+
+    def short_writev(fd, buffers):  # at most 13 bytes a call, as an interrupted write may return
+        chunk = b"".join(bytes(b) for b in buffers)[:13]
+        written.extend(chunk)
+        return len(chunk)
+
+    _write_parts(-1, parts, short_writev)
+    # What the worker's recv_bytes returns: the frame without multiprocessing's length prefix.
+    assert int.from_bytes(written[:4], "big") == len(written) - 4
+    assert _batch(bytes(written[4:])) == [(value, fmt) for value, fmt in values]
