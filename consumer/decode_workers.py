@@ -329,31 +329,16 @@ class _Worker:
                 [sys.executable, "-c", f"from {__name__} import serve; serve({theirs.fileno()})"],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         except OSError as exc:
+            self._conn.close()
             raise WorkerStartError(f"decode worker {self.index} could not start: {exc}") from None
         finally:
             theirs.close()  # the worker's copy is its own: its death reads as EOF here
         try:
-            self._conn.send_bytes(pickle.dumps((sys.path, self._settings)))
-        except (OSError, pickle.PicklingError) as exc:
-            self.process.kill()
-            raise WorkerStartError(f"decode worker {self.index} could not be given its settings: "
-                                   f"{exc}") from None
-        deadline = time.monotonic() + timeout
-        while not self._conn.poll(0.2):
-            if self.process.poll() is not None:
-                break  # its exit code is reported below
-            if time.monotonic() > deadline:
-                self.process.kill()
-                raise WorkerStartError(f"decode worker {self.index} did not start within {timeout:.0f} s")
-        try:
-            hello = self._conn.recv_bytes()
-        except (EOFError, OSError):
-            raise WorkerStartError(f"decode worker {self.index} exited while starting (exit code "
-                                   f"{self._wait(5)})") from None
-        if hello != _READY:
-            self._wait(5)
-            raise WorkerStartError(f"decode worker {self.index} could not build the pipeline: "
-                                   f"{hello.decode(errors='replace')}")
+            self._handshake(timeout)
+        except WorkerStartError:
+            self._wait(0)  # killed if it still runs, and reaped
+            self._conn.close()
+            raise
         self.alive = True
         # Sending and receiving on separate threads: a large batch going out while results come
         # back would otherwise fill both pipe buffers and block both processes.
@@ -361,6 +346,29 @@ class _Worker:
                          daemon=True).start()
         threading.Thread(target=self._receive_loop, name=f"tracejudge-decode-{self.index}-receive",
                          daemon=True).start()
+
+    def _handshake(self, timeout: float) -> None:
+        """Give the worker its settings and wait for it to have built its pipeline."""
+        assert self.process is not None
+        try:
+            self._conn.send_bytes(pickle.dumps((sys.path, self._settings)))
+        except (OSError, pickle.PicklingError) as exc:
+            raise WorkerStartError(f"decode worker {self.index} could not be given its settings: "
+                                   f"{exc}") from None
+        deadline = time.monotonic() + timeout
+        while not self._conn.poll(0.2):
+            if self.process.poll() is not None:
+                break  # its exit code is reported below
+            if time.monotonic() > deadline:
+                raise WorkerStartError(f"decode worker {self.index} did not start within {timeout:.0f} s")
+        try:
+            hello = self._conn.recv_bytes()
+        except (EOFError, OSError):
+            raise WorkerStartError(f"decode worker {self.index} exited while starting (exit code "
+                                   f"{self._wait(5)})") from None
+        if hello != _READY:
+            raise WorkerStartError(f"decode worker {self.index} could not build the pipeline: "
+                                   f"{hello.decode(errors='replace')}")
 
     def _wait(self, timeout: float) -> int | None:
         """The worker's exit code once it has exited (killed after `timeout` seconds)."""
