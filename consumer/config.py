@@ -358,8 +358,12 @@ class StreamSettings(Section):
 class ProducerSettings(Section):
     """The producer that writes results and dead letters (acks=all, idempotent)."""
 
-    linger_ms: int = Field(default=5, ge=0)
-    batch_size: int = Field(default=65_536, gt=0)
+    # One result per record (~3 KB) at thousands a second: kafka-python builds batches in Python,
+    # so its cost is mostly per batch. 10 ms / 256 KB (100 results a batch) against 5 ms / 64 KB
+    # measured 254 -> 219 µs of CPU per record with a results topic, and +19% records/s; 256 KB
+    # stays far below a broker's default message.max.bytes (1 MB).
+    linger_ms: int = Field(default=10, ge=0)
+    batch_size: int = Field(default=262_144, gt=0)
     compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
     max_request_size: int = Field(default=1_048_576, gt=0)
     delivery_timeout_ms: int = Field(default=120_000, gt=0)
