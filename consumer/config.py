@@ -322,11 +322,13 @@ class StreamSettings(Section):
     @classmethod
     def _workers(cls, v: Any) -> int | str:
         # One message rather than pydantic's two (one per branch of the union).
-        if isinstance(v, str) and v.strip().lower() == "auto":
-            return "auto"
-        number = v.strip() if isinstance(v, str) else v
-        if isinstance(number, str) and number.isdigit():
-            number = int(number)
+        number = v
+        if isinstance(v, str):
+            text = v.strip()
+            if text.lower() == "auto":
+                return "auto"
+            if text.isascii() and text.isdigit():
+                number = int(text)
         if type(number) is not int or not 0 <= number <= 32:
             raise ValueError(f'expected "auto" or a number of worker processes from 0 to 32, got {v!r}')
         return number

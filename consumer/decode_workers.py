@@ -340,6 +340,7 @@ class _Worker:
             self._conn.close()
             raise
         self.alive = True
+        self._threads = 2
         # Sending and receiving on separate threads: a large batch going out while results come
         # back would otherwise fill both pipe buffers and block both processes.
         threading.Thread(target=self._send_loop, name=f"tracejudge-decode-{self.index}-send",
@@ -379,10 +380,15 @@ class _Worker:
             self.process.kill()
             return self.process.wait()
 
-    def submit(self, items: list[Item], parts: list[bytes]) -> None:
+    def submit(self, items: list[Item], parts: list[bytes]) -> bool:
+        """Queue one batch; False once the worker is gone (its receiver has handed back all it held,
+        so a batch queued now would never be answered nor handed back)."""
         with self._lock:
+            if not self.alive:
+                return False
             self._pending.append(items)
         self._outbox.put(parts)
+        return True
 
     def close(self) -> None:
         self._closing = True
@@ -393,9 +399,21 @@ class _Worker:
             try:
                 _write_parts(self._conn.fileno(), parts)
             except OSError:  # the worker is gone: the receiver hands its batches back
-                return
-        with contextlib.suppress(OSError):
-            self._conn.send_bytes(_STOP)
+                break
+        else:
+            with contextlib.suppress(OSError):
+                self._conn.send_bytes(_STOP)
+        self._thread_done()
+
+    def _thread_done(self) -> None:
+        # The sender and the receiver share the socket: the last of them to end closes it. Closed
+        # under a thread still writing, its descriptor number could be reused by another socket
+        # (a Kafka connection, say) and receive the rest of a batch.
+        with self._lock:
+            self._threads -= 1
+            last = self._threads == 0
+        if last:
+            self._conn.close()
 
     def _receive_loop(self) -> None:
         replies = msgspec.msgpack.Decoder(list[Decoded])
@@ -413,16 +431,17 @@ class _Worker:
                     self._on_decoded(item, decoded)
                 except Exception:  # the callback's own errors are its to log; the worker goes on
                     log.exception("finishing a decoded record failed")
-        self.alive = False
-        with self._lock:
+        with self._lock:  # `submit` checks `alive` under the same lock: nothing is queued past this
+            self.alive = False
             unanswered = [item for batch in self._pending for item in batch]
             self._pending.clear()
+        self._outbox.put(None)  # the sender ends too, if it has not already
         exitcode = self._wait(5)
         if not self._closing:
             self._on_exit(self, exitcode)
             if unanswered:
                 self._on_lost(unanswered)
-        self._conn.close()
+        self._thread_done()
 
 
 class DecodePool:
@@ -473,12 +492,14 @@ class DecodePool:
 
     def submit(self, items: list[Item], values: list[tuple[bytes, str | None]]) -> bool:
         """Hand one batch to the next live worker; False when none is alive."""
+        parts = None
         for _ in range(len(self._workers)):
             worker = self._workers[self._next]
             self._next = (self._next + 1) % len(self._workers)
             if worker.alive:
-                worker.submit(items, _batch_parts(values))
-                return True
+                parts = parts or _batch_parts(values)
+                if worker.submit(items, parts):
+                    return True
         return False
 
     def close(self, timeout: float = 5.0) -> None:

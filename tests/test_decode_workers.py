@@ -301,6 +301,11 @@ def test_a_worker_that_dies_is_replaced_and_one_that_keeps_dying_is_not(caplog):
         assert not any(t.name.endswith("-restart") for t in threading.enumerate())
         assert pool._workers[0].process is second and not pool.alive and pool.live() == 0
         assert not pool.submit([99], values[:1])
+        # The dead worker takes nothing more (a batch queued now would be neither answered nor
+        # handed back), and once its sender and receiver have both ended its socket is closed.
+        dead = pool._workers[0]
+        assert not dead.submit([100], _batch_parts(values[:1])) and not dead._pending
+        wait_until(lambda: dead._conn.closed, 30, message="the dead worker's socket closed")
         assert "not restarted: 1 restarts in the last 10 min" in caplog.text
     finally:
         pool.close()
