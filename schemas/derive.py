@@ -27,6 +27,7 @@ from tracejudge.schemas.trace import Document, Span, SpanKind, SpanStatus, Token
 __all__ = [
     "HTTP_STATUS_KEYS",
     "derive",
+    "derived_record",
     "documents_from_output",
     "json_text",
     "merge",
@@ -409,22 +410,6 @@ def _failure(trace: Trace, root: Span | None) -> tuple[bool | None, str | None]:
 def derive(trace: Trace) -> EvalRecord:
     """Everything the trace lets us derive about the request it recorded."""
     spans = trace.spans
-    root = root_span(spans)
-
-    # The duration the source states (MLflow's `execution_duration`, what its UI shows) wins over
-    # the root span's own timing, which is the fallback (OTLP states none).
-    latency: float | None = None
-    if trace.duration_ms is not None:
-        latency = trace.duration_ms / 1000.0
-    elif root is not None and root.end_ns is not None and root.end_ns >= root.start_ns:
-        latency = (root.end_ns - root.start_ns) / 1e9
-
-    timestamp: float | None = None
-    if trace.request_time_ms is not None:
-        timestamp = trace.request_time_ms / 1000.0
-    elif root is not None and root.start_ns:
-        timestamp = root.start_ns / 1e9
-
     retrievers = top_level_retrievers(spans)
     retrieved: list[Document] | None = None
     if retrievers:
@@ -440,9 +425,32 @@ def derive(trace: Trace) -> EvalRecord:
         tools.sort(key=_start)
     trajectory = [ToolCall(s.tool_name or s.name, s.inputs or None) for s in tools]
 
-    failed, error = _failure(trace, root)
     tokens = trace.token_usage.with_total() if trace.token_usage is not None else sum_token_usage(spans)
+    return derived_record(trace, root_span(spans), retrieved, trajectory, tokens)
 
+
+def derived_record(trace: Trace, root: Span | None, retrieved: list[Document] | None,
+                   trajectory: list[ToolCall], tokens: TokenUsage | None) -> EvalRecord:
+    """The record of `trace` once its spans are read: its root span (the first without a parent),
+    the documents of its top-level retrievers in start order (None when it has no retriever), its
+    tool calls in start order and its token usage. `derive()` reads them from `trace.spans`; the
+    msgspec reader of MLflow JSON (`tracejudge.schemas.mlflow_wire`) gathers them while it reads
+    the spans, without building the others, and only `trace`'s other fields are read here."""
+    # The duration the source states (MLflow's `execution_duration`, what its UI shows) wins over
+    # the root span's own timing, which is the fallback (OTLP states none).
+    latency: float | None = None
+    if trace.duration_ms is not None:
+        latency = trace.duration_ms / 1000.0
+    elif root is not None and root.end_ns is not None and root.end_ns >= root.start_ns:
+        latency = (root.end_ns - root.start_ns) / 1e9
+
+    timestamp: float | None = None
+    if trace.request_time_ms is not None:
+        timestamp = trace.request_time_ms / 1000.0
+    elif root is not None and root.start_ns:
+        timestamp = root.start_ns / 1e9
+
+    failed, error = _failure(trace, root)
     record = EvalRecord(
         request_id=trace.client_request_id or trace.trace_id,
         trace_id=trace.trace_id,
@@ -462,7 +470,6 @@ def derive(trace: Trace) -> EvalRecord:
     )
     apply_expectations(record, trace.expectations)
     return record
-
 
 
 def merge(stated: EvalRecord, derived: EvalRecord) -> EvalRecord:
