@@ -15,9 +15,9 @@ rounds, so load from other processes falls on both alike; each batch's figure is
 records/s of both and the ratio, measured in this one run, overall and by trace size.
 
 Before timing, every corpus trace is read a second time through orjson and the general MLflow reader
-(`parse_trace`), which the msgspec path for `Trace.to_json()`'s exact shape (`parse_canonical_json`)
-stands in for, and the two records must be equal: a faster path that changed a result would fail
-here, not just in tests.
+(`parse_trace`), which the msgspec path for `Trace.to_json()`'s exact shape
+(`mlflow_wire.derive_canonical_json`) stands in for, and the two records must be equal: a faster
+path that changed a result would fail here, not just in tests.
 
     python bench/bench_derive.py                  # 300 traces x 7 rounds
     python bench/bench_derive.py --traces 100 --rounds 3
@@ -42,6 +42,7 @@ from mlflow.entities import Trace
 from mlflow.genai.utils import trace_utils
 
 from tracejudge.schemas import mlflow as mlflow_parser
+from tracejudge.schemas import mlflow_wire
 from tracejudge.schemas.derive import derive
 from tracejudge.schemas.detect import normalise
 
@@ -63,7 +64,7 @@ def mlflow_derive(payload: bytes) -> object:
 def check_records(payloads: list[bytes]) -> int:
     """The msgspec path and the general reader must give the same record for every trace.
     Returns how many traces the msgspec path read (the others fell back to the general reader)."""
-    fast = sum(mlflow_parser.parse_canonical_json(p) is not None for p in payloads)
+    fast = sum(mlflow_wire.derive_canonical_json(p) is not None for p in payloads)
     for i, payload in enumerate(payloads):
         reference = derive(mlflow_parser.parse_trace(orjson.loads(payload), everything=False))
         if normalise(payload) != reference:

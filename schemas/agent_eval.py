@@ -23,7 +23,8 @@ from tracejudge.schemas.derive import (
 )
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.inputs import AgentEvalRecord, ValidationError, describe
-from tracejudge.schemas.mlflow import parse_trace, parse_trace_json
+from tracejudge.schemas.mlflow import parse_trace
+from tracejudge.schemas.mlflow_wire import parse_trace_json
 from tracejudge.schemas.record import EvalRecord, ToolCall
 
 __all__ = ["is_agent_eval_record", "normalise_agent_eval"]

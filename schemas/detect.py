@@ -27,9 +27,9 @@ from tracejudge.schemas.agent_eval import is_agent_eval_record, normalise_agent_
 from tracejudge.schemas.derive import derive
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.inference_log import is_inference_log_row, normalise_row
-from tracejudge.schemas.mlflow import is_mlflow_trace, parse_canonical_json, parse_trace
+from tracejudge.schemas.mlflow import is_mlflow_trace, parse_trace
+from tracejudge.schemas.mlflow_wire import derive_canonical_json
 from tracejudge.schemas.record import EvalRecord, python_json, with_valid_text
-from tracejudge.schemas.trace import Trace
 
 __all__ = ["FORMATS", "SPAN_FORMATS", "decode", "detect", "normalise"]
 
@@ -122,9 +122,12 @@ def _normalise(payload: bytes | str | Mapping[str, Any], fmt: str, app_tag: str 
     if (fmt == "auto" or fmt == "mlflow") and isinstance(payload, (bytes, str)):
         # Most records of a trace stream are MLflow 3 traces as `Trace.to_json()` writes them; read
         # from the bytes, their large unread payloads are never decoded (~2x less decoding work).
-        trace = parse_canonical_json(payload, app_tag=app_tag)
-        if trace is not None:
-            return _derive(trace)
+        try:
+            record = derive_canonical_json(payload, app_tag=app_tag)
+        except _PARSER_BUGS as exc:
+            raise _bug(exc) from exc
+        if record is not None:
+            return record
     obj = decode(payload)
     kind = detect(obj) if fmt == "auto" else fmt
     try:
@@ -136,14 +139,10 @@ def _normalise(payload: bytes | str | Mapping[str, Any], fmt: str, app_tag: str 
     except RecordError:
         raise
     except _PARSER_BUGS as exc:
-        # A parser bug must not take the stream down: the record is dead-lettered with the cause.
-        raise RecordError(errors.INVALID_RECORD, f"could not normalise the record: "
-                          f"{type(exc).__name__}: {str(exc)[:160]}") from exc
+        raise _bug(exc) from exc
 
 
-def _derive(trace: Trace) -> EvalRecord:
-    try:
-        return derive(trace)
-    except _PARSER_BUGS as exc:
-        raise RecordError(errors.INVALID_RECORD, f"could not normalise the record: "
-                          f"{type(exc).__name__}: {str(exc)[:160]}") from exc
+def _bug(exc: BaseException) -> RecordError:
+    # A parser bug must not take the stream down: the record is dead-lettered with the cause.
+    return RecordError(errors.INVALID_RECORD, f"could not normalise the record: "
+                       f"{type(exc).__name__}: {str(exc)[:160]}")

@@ -18,7 +18,8 @@ from tracejudge.schemas import errors
 from tracejudge.schemas.derive import derive, merge, request_text, response_text
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.inputs import InferenceLogRow, ValidationError, describe, time_ms
-from tracejudge.schemas.mlflow import parse_trace, parse_trace_json
+from tracejudge.schemas.mlflow import parse_trace
+from tracejudge.schemas.mlflow_wire import parse_trace_json
 from tracejudge.schemas.record import EvalRecord
 from tracejudge.schemas.trace import TokenUsage
 

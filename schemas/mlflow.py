@@ -1,9 +1,9 @@
-"""MLflow trace JSON (`Trace.to_json()` / `to_dict()`, 3.x and 2.x) -> `Trace`.
+"""MLflow trace JSON (`Trace.to_json()` / `to_dict()`, 3.x and 2.x) -> `Trace`: the general reader.
 
-Two readers: `parse_canonical_json` reads JSON bytes/text in exactly the shape `Trace.to_json()`
-writes with msgspec typed structs (the stream's hot path) and gives None for anything else;
-`parse_trace` reads every shape from a decoded dict and names what is wrong. Dicts always take the
-general reader; traces embedded as JSON text take `parse_trace_json` (the msgspec path first).
+`parse_trace` reads every shape from a decoded dict and names what is wrong. JSON bytes or text in
+exactly the shape `Trace.to_json()` writes are read first by `tracejudge.schemas.mlflow_wire` with
+msgspec typed structs (the stream's hot path), which shares this module's rules (`_build_trace`,
+`_attr`, `_usage`, ...) and hands everything else back to here.
 
 The general reader is a hand-written walk over the decoded JSON: only the attributes derivation needs
 are JSON-decoded (`mlflow.spanType`, `mlflow.spanInputs`, `mlflow.spanOutputs`,
@@ -23,13 +23,11 @@ from __future__ import annotations
 
 from binascii import a2b_base64 as _a2b_base64
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Any
 
-import msgspec
 import orjson
 
 from tracejudge.schemas import errors
-from tracejudge.schemas.derive import HTTP_STATUS_KEYS
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.inputs import (
     MlflowTraceV2,
@@ -41,9 +39,9 @@ from tracejudge.schemas.inputs import (
     time_ms,
 )
 from tracejudge.schemas.record import python_json
-from tracejudge.schemas.trace import Document, Span, SpanKind, SpanStatus, TokenUsage, Trace
+from tracejudge.schemas.trace import Span, SpanKind, SpanStatus, TokenUsage, Trace
 
-__all__ = ["APP_PREFIX", "is_mlflow_trace", "parse_canonical_json", "parse_trace", "parse_trace_json"]
+__all__ = ["APP_PREFIX", "explain", "is_mlflow_trace", "parse_trace"]
 
 # The app of an MLflow trace with no `app_tag` match: its experiment, as "experiment:<id>" so it
 # cannot be mistaken for an endpoint or service name from another source.
@@ -241,135 +239,6 @@ def _span(raw: dict[str, Any], v2: bool, ids: dict[str, str], everything: bool) 
     return span
 
 
-class _NotCanonical(Exception):
-    """The span list is not in the shape `Trace.to_json()` of MLflow >= 3.5 writes."""
-
-
-def _kind_of(raw: Any) -> SpanKind:
-    """`mlflow.spanType` as `_span` reads it when it is not one of the usual quoted names."""
-    if raw is None:
-        return _UNKNOWN
-    value = _attr(raw)
-    return _KINDS.get(value, _UNKNOWN) if type(value) is str else _UNKNOWN
-
-
-# --------------------------------------------------------------------------------------------
-# JSON bytes in `Trace.to_json()`'s exact shape, decoded by msgspec (what `normalise()` reads).
-#
-# Most of a trace's bytes are its spans' `mlflow.spanInputs`/`spanOutputs`, JSON strings that
-# derivation mostly never reads. orjson would allocate all of them; msgspec decodes the document
-# into the structs below instead, checking the declared types and decoding the base64 ids in C,
-# keeping the few attributes derivation may read as the raw bytes of their JSON text
-# (`msgspec.Raw`) and skipping every other key unread. Whatever these structs reject (other
-# shapes, bad records) is read again by the general path (orjson, `_parse`), which gives the
-# result or names the field that is wrong.
-
-# orjson, which the general path reads with, gives a float for an integer beyond 64 bits, and
-# msgspec bounds must fit an int64: times past 2**63 - 1 ns (year 2262) take the general path.
-_WireInt = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
-_NO_EVENTS = msgspec.Raw(b"[]")
-
-
-class _WireStatus(msgspec.Struct, gc=False):
-    code: str
-    message: str
-
-
-# The root span's attributes `derive()` reads besides its payloads (struct field, attribute key).
-_HTTP_FIELDS = tuple((f"http_{i}", key) for i, key in enumerate(HTTP_STATUS_KEYS))
-# The attributes derivation reads: `mlflow.spanType` as written ('"RETRIEVER"', a JSON string),
-# payloads and usage as raw JSON text (decoded only for the spans that need them), and the root
-# span's HTTP status.
-_WireAttributes = msgspec.defstruct("_WireAttributes", [
-    ("span_type", str | None, msgspec.field(name=SPAN_TYPE, default=None)),
-    ("inputs", msgspec.Raw, msgspec.field(name=SPAN_INPUTS, default=None)),
-    ("outputs", msgspec.Raw, msgspec.field(name=SPAN_OUTPUTS, default=None)),
-    ("usage", msgspec.Raw, msgspec.field(name=CHAT_USAGE, default=None)),
-    *((name, msgspec.Raw, msgspec.field(name=key, default=None)) for name, key in _HTTP_FIELDS),
-], gc=False)
-
-
-class _WireSpan(msgspec.Struct, gc=False):
-    # Every key is required and exactly typed: a span written any other way is read by `_span`.
-    # msgspec's base64 is binascii's strict mode: standard alphabet, padded, nothing after the
-    # padding, so an 8-byte id is exactly the 12-character form `_span_hex` decodes as base64.
-    span_id: bytes
-    parent_span_id: bytes | None
-    name: str
-    start_time_unix_nano: _WireInt
-    end_time_unix_nano: _WireInt
-    status: _WireStatus
-    attributes: _WireAttributes
-    events: msgspec.Raw  # nearly always "[]"; anything else is decoded and checked as JSON
-
-
-class _WireData(msgspec.Struct, gc=False):
-    spans: list[_WireSpan]
-
-
-class _WireTrace(msgspec.Struct, gc=False):
-    info: msgspec.Raw  # small: decoded by orjson and read by the same code as the general path
-    data: _WireData
-
-
-class _WireDocumentMetadata(msgspec.Struct, gc=False):
-    doc_uri: str
-
-
-class _WireDocument(msgspec.Struct, gc=False):
-    # MLflow's `Document.to_dict()`; its other keys (id, chunk_id, score...) are skipped unread.
-    page_content: str
-    metadata: _WireDocumentMetadata
-
-
-_WIRE_DECODER = msgspec.json.Decoder(_WireTrace)
-_DOCUMENTS_DECODER = msgspec.json.Decoder(list[_WireDocument])
-# A Raw's bytes reach orjson only through memoryview(), ~200 ns each: msgspec reads the JSON
-# string holding an attribute's JSON at about orjson's speed without that toll.
-_STRING_DECODER = msgspec.json.Decoder(str)
-
-
-def _raw_attr(raw: msgspec.Raw) -> Any:
-    """`_attr` of an attribute's JSON text: the JSON string, then the JSON inside it."""
-    try:
-        text = _STRING_DECODER.decode(raw)
-    except msgspec.ValidationError:  # not a string: a value set directly on the span, kept as is
-        return orjson.loads(memoryview(raw))
-    return _attr(text)
-
-
-def _raw_documents(raw: msgspec.Raw) -> list[Document] | None:
-    """A retriever's `mlflow.spanOutputs` read straight into `Document`s when it is a list of
-    MLflow `Document.to_dict()`s (what `documents_from_output` makes of them, at ~60% of the
-    cost); None for any other form, which derivation reads from the decoded outputs."""
-    try:
-        chunks = _DOCUMENTS_DECODER.decode(_STRING_DECODER.decode(raw))
-    except (msgspec.DecodeError, RecursionError):
-        return None
-    documents = [Document(chunk.page_content, chunk.metadata.doc_uri) for chunk in chunks]
-    for document in documents:
-        if not document.doc_uri:  # `documents_from_output` then looks for a top-level doc_uri
-            return None
-    return documents
-
-
-def _root_attributes(attrs: Any) -> dict[str, Any]:
-    out = {}
-    for name, key in _HTTP_FIELDS:
-        raw = getattr(attrs, name)
-        if raw is not None:
-            out[key] = _raw_attr(raw)
-    return out
-
-
-def _events_exception(events: msgspec.Raw) -> str | None:
-    decoded = orjson.loads(memoryview(events))
-    if type(decoded) is not list:
-        raise _NotCanonical
-    _check_events(decoded, "time_unix_nano")
-    return _exception(decoded)
-
-
 def _tool_name(inputs: Any) -> str | None:
     """A tool span recorded by a tool-calling framework names the tool in its inputs."""
     if type(inputs) is dict:
@@ -377,149 +246,6 @@ def _tool_name(inputs: Any) -> str | None:
         if type(call) is dict and type(call.get("tool_name")) is str:
             return call["tool_name"]
     return None
-
-
-class _NotLean(Exception):
-    """A span list the lean walk cannot prune safely (a repeated span id, a child listed before its
-    parent or under a parent no span has): read again keeping every span."""
-
-
-def _wire_spans(spans_raw: list[_WireSpan], span_usage: bool) -> list[Span]:
-    """The `Span`s `_span(..., everything=False)` builds (but for what `parse_canonical_json`
-    documents), or `_NotCanonical`. The struct types already hold the checks `_span` makes with
-    `type()`; what they cannot state is checked here.
-
-    `span_usage=False` (the trace states its own token usage, so derivation sums none) keeps only
-    the spans `derive()` reads: those without a parent, TOOL spans, and RETRIEVER spans with no
-    RETRIEVER above them; the chains, model calls and rerankers around them (half the spans of a
-    RAG agent's trace) are checked like the rest but never become `Span`s."""
-    if not span_usage:
-        try:
-            return _walk(spans_raw, False, True)
-        except _NotLean:
-            pass
-    return _walk(spans_raw, span_usage, False)
-
-
-def _walk(spans_raw: list[_WireSpan], span_usage: bool, lean: bool) -> list[Span]:
-    # The stream's hottest loop: most spans need nothing past the kind check (lean) or the `Span`
-    # call, and the payload decoding is inlined for the common case, its fallbacks in `_raw_attr`.
-    raw_kinds, status_of, unset, unknown, tool, retriever = (
-        _RAW_KINDS, _STATUS, _UNSET, _UNKNOWN, _TOOL, _RETRIEVER)
-    span_of, no_events, text_of, loads = Span, _NO_EVENTS, _STRING_DECODER.decode, orjson.loads
-    inline_errors = (msgspec.ValidationError, orjson.JSONDecodeError)
-    ids: dict[bytes, str] = {}  # every parent id is some span's id
-    # Lean: RETRIEVER spans and every span below one. A retriever whose parent is in here is
-    # nested (`top_level_retrievers` would leave it out), which needs parents listed first.
-    below_retriever: set[bytes] = set()
-    spans: list[Span] = []
-    append = spans.append
-    try:
-        for raw in spans_raw:
-            sid = raw.span_id
-            if len(sid) != 8:
-                raise _NotCanonical
-            if lean and sid in ids:
-                raise _NotLean
-            span_id = ids[sid] = sid.hex()
-            parent = raw.parent_span_id
-            if parent is None:
-                parent_id = None
-            else:
-                parent_id = ids.get(parent)
-                if parent_id is None:  # a child listed before its parent
-                    if lean:
-                        raise _NotLean
-                    if len(parent) != 8:
-                        raise _NotCanonical
-                    parent_id = ids[parent] = parent.hex()
-            events = raw.events
-            attrs = raw.attributes
-            kind_raw = attrs.span_type
-            kind = unknown if kind_raw is None else raw_kinds.get(kind_raw)
-            if kind is None:
-                kind = _kind_of(kind_raw)
-            if lean and parent_id is not None:
-                if parent in below_retriever:
-                    below_retriever.add(sid)
-                    keep = kind is tool
-                elif kind is retriever:
-                    below_retriever.add(sid)
-                    keep = True
-                else:
-                    keep = kind is tool
-                if not keep:
-                    if events != no_events:
-                        _events_exception(events)  # checked as the general reader checks it
-                    continue
-            status = raw.status
-            span = span_of(
-                span_id, parent_id, raw.name, raw.start_time_unix_nano,
-                raw.end_time_unix_nano or None,  # MLflow reads an end time of 0 as "not ended"
-                kind, status_of.get(status.code, unset), status.message, None, None, None,
-                None if events == no_events else _events_exception(events),
-            )
-            append(span)
-            # As in `_span`: the root's payloads, tools' inputs and retrievers' outputs.
-            if parent_id is None:
-                if attrs.inputs is not None:
-                    span.inputs = _raw_attr(attrs.inputs)
-                if attrs.outputs is not None:
-                    span.outputs = _raw_attr(attrs.outputs)
-                span.attributes = _root_attributes(attrs)
-                if kind is tool:
-                    span.tool_name = _tool_name(span.inputs)
-            elif kind is tool:
-                raw_inputs = attrs.inputs
-                if raw_inputs is not None:
-                    try:
-                        inputs = span.inputs = loads(text_of(raw_inputs))
-                    except inline_errors:
-                        inputs = span.inputs = _raw_attr(raw_inputs)
-                    if type(inputs) is dict and "call" in inputs:
-                        span.tool_name = _tool_name(inputs)
-            elif kind is retriever and attrs.outputs is not None:
-                documents = span.documents = _raw_documents(attrs.outputs)
-                if documents is None:
-                    span.outputs = _raw_attr(attrs.outputs)
-            if span_usage and attrs.usage is not None:
-                span.token_usage = _usage(_raw_attr(attrs.usage))
-    except (_Malformed, KeyError, TypeError, ValueError, RecursionError):
-        raise _NotCanonical from None
-    return spans
-
-
-def parse_canonical_json(payload: bytes | str, *, app_tag: str | None = None) -> Trace | None:
-    """The `Trace` of an MLflow 3 trace's JSON in exactly the shape `Trace.to_json()` writes, or
-    None for anything else (another shape, another format, bad input) — then decode the payload
-    and call `parse_trace`, which reads every form and names what is wrong.
-
-    For the payloads it reads, `derive()` of the result equals `derive()` of
-    `parse_trace(orjson.loads(payload), everything=False)`. The traces differ in
-    what derivation does not read: a non-root retriever's MLflow documents are in
-    `Span.documents` rather than `Span.outputs`, the root's `attributes` hold only its HTTP
-    status, and when the trace states its token usage the spans' `token_usage` is left None and
-    only the spans derivation then reads are kept (see `_wire_spans`).
-    """
-    try:
-        if not payload.isascii():
-            # msgspec does not check the UTF-8 of the values it skips; the general path rejects it.
-            if type(payload) is not bytes:
-                return None
-            payload.decode()
-        wire = _WIRE_DECODER.decode(payload)
-        info = orjson.loads(memoryview(wire.info))
-        if type(info) is not dict or ("request_id" in info and "trace_id" not in info):
-            return None
-        raw_id = info["trace_id"]
-        if type(raw_id) is not str:
-            return None
-        # Trace-level usage, when stated, is what derivation reports: span usage goes unread.
-        usage = _stated_usage(info.get("trace_metadata"))
-        return _trace(info, raw_id, _wire_spans(wire.data.spans, usage is None), False, app_tag, usage)
-    except (msgspec.DecodeError, UnicodeError, _NotCanonical, _Malformed, KeyError, TypeError, ValueError,
-            AttributeError, IndexError, OverflowError, RecursionError):
-        return None
 
 
 def _str_map(value: dict[str, Any] | None) -> dict[str, str]:
@@ -533,16 +259,12 @@ def _str_map(value: dict[str, Any] | None) -> dict[str, str]:
     return {k: v for k, v in value.items() if type(v) is str}
 
 
-def _duration_ms(info: Mapping[str, Any], v2: bool) -> float | None:
-    value = info.get("execution_time_ms" if v2 else "execution_duration_ms")
-    wire = None if v2 else info.get("execution_duration")
-    if wire is not None and type(wire) is not str:
-        raise _Malformed
+def _duration_ms(value: Any, wire: str | None) -> float | None:
+    """`execution_duration_ms` (or 2.x `execution_time_ms`), else `execution_duration`, the REST
+    wire form (a proto Duration: "0.026s")."""
     if value is not None:
         return float(as_int(value))
-    if wire is None:
-        return None
-    if wire.endswith("s"):  # the REST wire form, a proto Duration: "0.026s"
+    if wire is not None and wire.endswith("s"):
         try:
             return float(wire[:-1]) * 1000.0
         except ValueError:
@@ -587,25 +309,6 @@ def _trace_id(value: str) -> str:
     return value.lower()
 
 
-def _app(info: Mapping[str, Any], tags: dict[str, str], metadata: dict[str, str],
-         app_tag: str | None, v2: bool) -> str | None:
-    if v2:
-        experiment = _optional(info, "experiment_id", str)
-    else:
-        experiment = None
-        location = _optional(info, "trace_location", dict)
-        if location is not None:
-            _optional(location, "type", str)
-            mlflow_experiment = _optional(location, "mlflow_experiment", dict)
-            if mlflow_experiment is not None:
-                experiment = _optional(mlflow_experiment, "experiment_id", str)
-    if app_tag:
-        value = tags.get(app_tag) or metadata.get(app_tag)
-        if value:
-            return value
-    return f"{APP_PREFIX}{experiment}" if experiment else None
-
-
 def _parse(obj: Mapping[str, Any], app_tag: str | None, everything: bool) -> Trace:
     info = obj["info"]
     if not isinstance(info, dict):
@@ -629,25 +332,57 @@ def _stated_usage(metadata: Any) -> TokenUsage | None:
 
 def _trace(info: dict[str, Any], raw_id: str, spans: list[Span], v2: bool, app_tag: str | None,
            usage: TokenUsage | None) -> Trace:
+    """The trace of a decoded `info`, each key checked as the schema states it."""
     metadata = _str_map(_optional(info, "request_metadata" if v2 else "trace_metadata", dict))
     tags = _str_map(_optional(info, "tags", dict))
-    for key in _METADATA_TAGS:
-        if key in metadata:
-            tags.setdefault(key, metadata[key])
     state = _optional(info, "status" if v2 else "state", str)
     assessments = _optional(info, "assessments", list)
     request_time = info.get("timestamp_ms" if v2 else "request_time")
     if v2 and request_time is not None:
         request_time = as_int(request_time)
+    if v2:
+        experiment = _optional(info, "experiment_id", str)
+    else:
+        experiment = None
+        location = _optional(info, "trace_location", dict)
+        if location is not None:
+            _optional(location, "type", str)
+            mlflow_experiment = _optional(location, "mlflow_experiment", dict)
+            if mlflow_experiment is not None:
+                experiment = _optional(mlflow_experiment, "experiment_id", str)
+    client_request_id = None if v2 else _optional(info, "client_request_id", str)
+    wire_duration = None if v2 else _optional(info, "execution_duration", str)
+    return _build_trace(
+        raw_id, spans, "mlflow_v2" if v2 else "mlflow_v3", app_tag, usage,
+        metadata=metadata, tags=tags, experiment=experiment, client_request_id=client_request_id,
+        state=state, assessments=assessments, request_time=request_time,
+        duration_value=info.get("execution_time_ms" if v2 else "execution_duration_ms"),
+        duration_wire=wire_duration,
+    )
+
+
+def _build_trace(raw_id: str, spans: list[Span], source_format: str, app_tag: str | None,
+                 usage: TokenUsage | None, *, metadata: dict[str, str], tags: dict[str, str],
+                 experiment: str | None, client_request_id: str | None, state: str | None,
+                 assessments: list[Any] | None, request_time: Any, duration_value: Any,
+                 duration_wire: str | None) -> Trace:
+    """The `Trace` from its info's values once their types are checked (here by `_trace`, in
+    `mlflow_wire` by the msgspec structs): one set of rules for both readers."""
+    for key in _METADATA_TAGS:
+        if key in metadata:
+            tags.setdefault(key, metadata[key])
+    app = (tags.get(app_tag) or metadata.get(app_tag) or None) if app_tag else None
+    if app is None and experiment:
+        app = f"{APP_PREFIX}{experiment}"
     return Trace(
         trace_id=_trace_id(raw_id),
         spans=spans,
-        source_format="mlflow_v2" if v2 else "mlflow_v3",
-        app=_app(info, tags, metadata, app_tag, v2),
-        client_request_id=None if v2 else _optional(info, "client_request_id", str),
+        source_format=source_format,
+        app=app,
+        client_request_id=client_request_id,
         state=_STATES.get(state) if state else None,
         request_time_ms=None if request_time is None else time_ms(request_time),
-        duration_ms=_duration_ms(info, v2),
+        duration_ms=_duration_ms(duration_value, duration_wire),
         token_usage=usage,
         tags=tags,
         metadata=metadata,
@@ -670,26 +405,6 @@ def parse_trace(obj: Mapping[str, Any], *, app_tag: str | None = None, field: st
     except (_Malformed, KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError,
             RecursionError) as exc:
         raise explain(obj, field, exc) from None
-
-
-def parse_trace_json(text: str, *, app_tag: str | None = None, field: str = "") -> Trace:
-    """An MLflow trace embedded as JSON text in another record (an agent-evaluation row's `trace`,
-    a serving response's `databricks_output.trace`), read for derivation: by `parse_canonical_json`
-    when it is in `Trace.to_json()`'s exact shape, else decoded by orjson and read by `parse_trace`
-    with `everything=False`. Raises `RecordError`: invalid_json at `field`, or the field that is wrong.
-
-    One difference from decoding with orjson first: a number beyond the float range under a key
-    derivation never reads is skipped by msgspec unread, so such a trace is read (as it is when it
-    is the whole payload) rather than rejected as invalid JSON.
-    """
-    trace = parse_canonical_json(text, app_tag=app_tag)
-    if trace is not None:
-        return trace
-    try:
-        obj = orjson.loads(text)
-    except orjson.JSONDecodeError as exc:
-        raise RecordError(errors.INVALID_JSON, str(exc), field or None) from None
-    return parse_trace(obj, app_tag=app_tag, field=field, everything=False)
 
 
 def explain(obj: Any, field: str, cause: BaseException | None = None) -> RecordError:

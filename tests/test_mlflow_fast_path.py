@@ -1,14 +1,15 @@
 """The two MLflow readers read alike: the msgspec path for `Trace.to_json()`'s exact shape and the
 general reader for every shape.
 
-`normalise()` reads JSON bytes or text with `parser.parse_canonical_json` (msgspec typed structs),
+`normalise()` reads JSON bytes or text with `wire.derive_canonical_json` (msgspec typed structs),
 which gives None for anything not in the exact shape MLflow writes; that input, dicts, and every
 error go to `parser.parse_trace`, which reads every form and names what is wrong. The two must
-give the same `Trace` but for what `parse_canonical_json` documents it trims, the same record, and
-the msgspec path must give up on every input the general reader rejects, so that the error is the
-general reader's. Checked on real traces from the `mlflow` package, as written and mutated at
-random where the two readers' checks differ (ids, times, status, attributes, events, missing keys),
-and for traces embedded as JSON text in agent-evaluation and inference-log records.
+give the same record, `wire.parse_canonical_json` the same `Trace` but for what it documents it
+leaves unread, and the msgspec path must give up on every input the general reader rejects, so that
+the error is the general reader's. Checked on real traces from the `mlflow` package, as written and
+mutated at random where the two readers' checks differ (ids, times, status, attributes, events,
+missing keys, span nesting, the trace's info), and for traces embedded as JSON text in
+agent-evaluation and inference-log records.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from support import mlflow_apps
 
 from tracejudge.schemas import errors
 from tracejudge.schemas import mlflow as parser
-from tracejudge.schemas.derive import HTTP_STATUS_KEYS, derive, documents_from_output, top_level_retrievers
+from tracejudge.schemas import mlflow_wire as wire
+from tracejudge.schemas.derive import HTTP_STATUS_KEYS, derive, documents_from_output, root_span
 from tracejudge.schemas.detect import normalise
 from tracejudge.schemas.errors import RecordError
-from tracejudge.schemas.trace import Span, SpanKind, Trace
+from tracejudge.schemas.trace import SpanKind, Trace
 
 TRACES = {name: json.loads(text) for name, text in mlflow_apps.run_all().items()}
 # Traces with every kind of span the msgspec path treats specially: retrievers (nested too),
@@ -54,6 +56,18 @@ _SPAN_KEYS = ("span_id", "parent_span_id", "name", "start_time_unix_nano", "end_
               "attributes", "events")
 _ATTRIBUTES = ("mlflow.spanType", "mlflow.spanInputs", "mlflow.spanOutputs", "mlflow.chat.tokenUsage",
                "custom.key")
+_INFO_KEYS = ("trace_id", "client_request_id", "trace_location", "request_time", "state",
+              "execution_duration_ms", "execution_duration", "trace_metadata", "tags", "assessments",
+              "request_id")
+_INFO_VALUES = st.sampled_from([
+    "tr-a795c45134ad7ba0a795c45134ad7ba0", "2026-01-02T03:04:05.678Z", "2026-01-02 03:04:05", "1767322800000",
+    1767322800000, 2**63, 1.5e12, "0.25s", "12",
+    {"type": "MLFLOW_EXPERIMENT", "mlflow_experiment": {"experiment_id": "5"}},
+    {"mlflow_experiment": {"experiment_id": 5}}, {"type": 1},
+    {"mlflow.trace.session": "s", "k": "v"},
+    {"mlflow.trace.tokenUsage": '{"input_tokens": 1, "output_tokens": 2}'}, {"k": 1}, "IN_PROGRESS",
+    [{"assessment_name": "expected_response", "expectation": {"value": "a"}}], [{"name": 1}],
+])
 _DELETE = object()
 
 
@@ -77,12 +91,22 @@ def _mutated(draw: st.DrawFn) -> dict[str, Any]:
             target.pop(key, None)
         else:
             target[key] = copy.deepcopy(value)
-    if draw(st.booleans()):  # a span id that repeats, or a parent that comes after its child
+    if draw(st.booleans()):  # a repeated span id, a parent after its child, or another parent
         i, j = draw(st.integers(0, len(spans) - 1)), draw(st.integers(0, len(spans) - 1))
-        if draw(st.booleans()):
+        change = draw(st.sampled_from(["id", "swap", "parent"]))
+        if change == "id":
             spans[i]["span_id"] = copy.deepcopy(spans[j].get("span_id"))
-        else:
+        elif change == "swap":
             spans[i], spans[j] = spans[j], spans[i]
+        else:
+            spans[i]["parent_span_id"] = copy.deepcopy(spans[j].get("span_id"))
+    for _ in range(draw(st.integers(0, 2))):
+        key = draw(st.sampled_from(_INFO_KEYS))
+        value = draw(st.one_of(_VALUES, _INFO_VALUES, st.just(_DELETE)))
+        if value is _DELETE:
+            doc["info"].pop(key, None)
+        else:
+            doc["info"][key] = copy.deepcopy(value)
     return doc
 
 
@@ -100,29 +124,12 @@ def _result(normalise_: Callable[[], Any]) -> Any:
         return (exc.reason, exc.field, exc.detail)
 
 
-def _read_by_derive(general: Trace) -> list[Span]:
-    """The spans `derive()` reads of a trace that states its usage: those without a parent, TOOL
-    spans and the RETRIEVER spans `top_level_retrievers` picks."""
-    top = {id(span) for span in top_level_retrievers(general.spans)}
-    return [span for span in general.spans
-            if span.parent_id is None or span.kind == SpanKind.TOOL or id(span) in top]
-
-
-def _assert_same_trace(lean: Trace, general: Trace, *, pruned: bool | None = None) -> None:
-    """Equal but for what `parse_canonical_json` documents: a non-root retriever's MLflow documents
-    are in `documents` rather than `outputs`, the root's `attributes` hold only its HTTP status, and
-    when the trace states its own usage, span usage is left unread and only the spans derivation
-    reads are kept (all of them when the span list cannot be pruned safely). `pruned` says which
-    of the two span lists is expected, when the caller knows."""
+def _assert_same_trace(lean: Trace, general: Trace) -> None:
+    """Equal but for what `parse_canonical_json` documents it leaves unread: a non-root retriever's
+    documents are in `documents` and its `outputs` is None, the root's `attributes` hold only its
+    HTTP status, and when the trace states its own usage, span usage is left unread."""
     assert msgspec.structs.replace(lean, spans=[]) == msgspec.structs.replace(general, spans=[])
-    references = general.spans
-    if general.token_usage is not None and (pruned or len(lean.spans) != len(general.spans)):
-        references = _read_by_derive(general)
-    elif pruned:
-        raise AssertionError("expected the spans derivation reads only: the trace states no usage")
-    if pruned is False:
-        assert len(lean.spans) == len(general.spans)
-    for span, reference in zip(lean.spans, references, strict=True):
+    for span, reference in zip(lean.spans, general.spans, strict=True):
         if span.documents is not None:
             assert span.parent_id is not None and span.outputs is None and reference.documents is None
             assert span.documents == documents_from_output(reference.outputs)
@@ -134,6 +141,16 @@ def _assert_same_trace(lean: Trace, general: Trace, *, pruned: bool | None = Non
             assert span.token_usage is None
             span = msgspec.structs.replace(span, token_usage=reference.token_usage)
         assert span == reference
+
+
+def _lean_parts(payload: bytes) -> Any:
+    """What the one-pass walk makes of a trace's spans, or the exception it raises."""
+    decoded = wire._decode(payload)
+    assert decoded is not None
+    try:
+        return wire._lean_parts(decoded.data.spans)
+    except wire._NotLean as exc:
+        return exc
 
 
 def _embedded(trace: Any) -> list[dict[str, Any]]:
@@ -148,13 +165,18 @@ def test_real_traces_read_alike(name: str) -> None:
     doc = TRACES[name]
     payload = orjson.dumps(doc)
     general = parser.parse_trace(doc, everything=False)
-    for text in (payload, payload.decode()):
-        lean = parser.parse_canonical_json(text)
-        assert lean is not None  # the shape MLflow writes is read by the msgspec path
-        # MLflow lists parents first: with usage stated, only the spans derivation reads are kept.
-        _assert_same_trace(lean, general, pruned=general.token_usage is not None)
     record = derive(general)
-    assert derive(lean) == record == normalise(payload) == normalise(doc)
+    for text in (payload, payload.decode()):
+        lean = wire.parse_canonical_json(text)
+        assert lean is not None  # the shape MLflow writes is read by the msgspec path
+        _assert_same_trace(lean, general)
+        assert derive(lean) == record == wire.derive_canonical_json(text)
+    assert normalise(payload) == record == normalise(doc)
+    # With the trace's usage stated, the one-pass walk reads the spans MLflow lists parents first.
+    if general.token_usage is not None:
+        root, retrieved, trajectory = _lean_parts(payload)
+        assert root is not None and root.span_id == root_span(general.spans).span_id
+        assert (retrieved, trajectory) == (record.retrieved_context, record.trajectory)
     # Decoding only what derivation reads leaves the record as decoding everything does.
     assert derive(parser.parse_trace(doc, everything=True)) == record
     for as_object, as_text in zip(_embedded(doc), _embedded(payload.decode()), strict=True):
@@ -170,65 +192,88 @@ def test_real_traces_read_alike(name: str) -> None:
     lambda spans: spans.reverse(),  # children before their parents
     lambda spans: spans[-1].update(span_id=spans[0]["span_id"]),  # a repeated span id
     lambda spans: spans[-1].update(parent_span_id="AAAAAAAAAAA="),  # a parent no span has
+    lambda spans: spans[-1].update(parent_span_id=spans[-1]["span_id"]),  # its own parent
 ])
 def test_edits_that_keep_the_exact_shape_stay_on_the_msgspec_path(edit: Callable[[list[Any]], None]) -> None:
     doc = copy.deepcopy(TRACES["rag"])
     edit(doc["data"]["spans"])
-    lean = parser.parse_canonical_json(orjson.dumps(doc))
+    payload = orjson.dumps(doc)
+    lean = wire.parse_canonical_json(payload)
     assert lean is not None
     general = parser.parse_trace(doc, everything=False)
     _assert_same_trace(lean, general)
-    assert derive(lean) == derive(general)
+    assert derive(lean) == derive(general) == wire.derive_canonical_json(payload)
 
 
 @pytest.mark.parametrize("edit", [
     lambda spans: spans.reverse(),
     lambda spans: spans[-1].update(span_id=spans[0]["span_id"]),
     lambda spans: spans[-1].update(parent_span_id="AAAAAAAAAAA="),
-], ids=["children first", "repeated id", "unknown parent"])
-def test_span_lists_the_lean_walk_cannot_prune_keep_every_span(edit: Callable[[list[Any]], None]) -> None:
-    doc = copy.deepcopy(TRACES["rag"])
+    lambda spans: spans[-1].update(parent_span_id=spans[-1]["span_id"]),
+], ids=["children first", "repeated id", "unknown parent", "own parent"])
+def test_span_lists_the_one_pass_walk_cannot_read_are_read_whole(edit: Callable[[list[Any]], None]) -> None:
+    doc = copy.deepcopy(TRACES["multi_retriever"])
     edit(doc["data"]["spans"])
     general = parser.parse_trace(doc, everything=False)
-    assert general.token_usage is not None  # so only the span list's shape stops the pruning
-    lean = parser.parse_canonical_json(orjson.dumps(doc))
-    assert lean is not None
-    _assert_same_trace(lean, general, pruned=False)
-    assert derive(lean) == derive(general)
+    assert general.token_usage is not None  # so only the span list's shape stops the one-pass walk
+    payload = orjson.dumps(doc)
+    assert isinstance(_lean_parts(payload), wire._NotLean)
+    assert wire.derive_canonical_json(payload) == derive(general)
 
 
-def test_spans_derivation_does_not_read_are_dropped_only_when_the_trace_states_usage() -> None:
+def test_nested_retrievers_are_left_out_whatever_lies_between() -> None:
+    # A retriever below a RETRIEVER root, with a chain between them: `top_level_retrievers` leaves
+    # it out, so the one-pass walk must too, though it never builds the chain's span.
+    doc = copy.deepcopy(TRACES["tools"])
+    spans = doc["data"]["spans"]
+    names = {span["span_id"]: span["name"] for span in spans}
+    nested = next(span for span in spans if names.get(span["parent_span_id"]) == "planner")
+    spans[0]["attributes"]["mlflow.spanType"] = '"RETRIEVER"'
+    nested["attributes"]["mlflow.spanType"] = '"RETRIEVER"'
+    nested["attributes"]["mlflow.spanOutputs"] = json.dumps(
+        [{"page_content": "nested", "metadata": {"doc_uri": "kb://nested"}}])
+    payload = orjson.dumps(doc)
+    expected = derive(parser.parse_trace(doc, everything=False))
+    assert expected.retrieved_context is not None
+    assert "nested" not in [d.content for d in expected.retrieved_context]
+    assert wire.derive_canonical_json(payload) == expected == normalise(payload)
+
+
+def test_only_a_trace_that_states_its_usage_is_read_in_one_pass() -> None:
     # multi_retriever: a retriever wrapping another, chat spans with usage, the trace's own usage.
     doc = TRACES["multi_retriever"]
+    payload = orjson.dumps(doc)
     general = parser.parse_trace(doc, everything=False)
-    assert general.token_usage is not None
-    lean = parser.parse_canonical_json(orjson.dumps(doc))
-    assert lean is not None
-    kinds = [span.kind for span in lean.spans]
-    assert SpanKind.CHAT_MODEL not in kinds and len(lean.spans) < len(general.spans)
-    nested = [s for s in general.spans if s.kind == SpanKind.RETRIEVER and s not in
-              top_level_retrievers(general.spans)]
-    assert nested and not {s.span_id for s in nested} & {s.span_id for s in lean.spans}
-    assert derive(lean) == derive(general)
-    # Without a trace-level usage, derivation sums the spans' own: every span is kept.
+    record = derive(general)
+    _, retrieved, trajectory = _lean_parts(payload)
+    assert len(retrieved) < len([d for s in general.spans if s.kind == SpanKind.RETRIEVER
+                                 for d in documents_from_output(s.outputs)])  # the nested one is left out
+    assert (retrieved, trajectory) == (record.retrieved_context, record.trajectory)
+    assert wire.derive_canonical_json(payload) == record
+    # Without a trace-level usage, derivation sums the spans' own: every span is read.
     unstated = copy.deepcopy(doc)
     del unstated["info"]["trace_metadata"]["mlflow.trace.tokenUsage"]
-    every = parser.parse_canonical_json(orjson.dumps(unstated))
-    assert every is not None and len(every.spans) == len(general.spans)
-    assert derive(every) == derive(parser.parse_trace(unstated, everything=False))
+    every = parser.parse_trace(unstated, everything=False)
+    assert every.token_usage is None
+    derived = wire.derive_canonical_json(orjson.dumps(unstated))
+    assert derived == derive(every) and derived is not None and derived.tokens is not None
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_mutated())
 def test_mutated_traces_read_alike(doc: dict[str, Any]) -> None:
     general = _general(doc)
     payload = orjson.dumps(doc)
-    lean = parser.parse_canonical_json(payload)
+    lean = wire.parse_canonical_json(payload)
+    record = wire.derive_canonical_json(payload)
     if isinstance(general, tuple):
-        assert lean is None  # the general reader names what is wrong
-    elif lean is not None:
-        _assert_same_trace(lean, general)
-        assert derive(lean) == derive(general)
+        assert lean is None and record is None  # the general reader names what is wrong
+    else:
+        if lean is not None:
+            _assert_same_trace(lean, general)
+            assert derive(lean) == derive(general)
+        if record is not None:
+            assert record == derive(general)
     assert _result(lambda: normalise(payload)) == _result(lambda: normalise(doc))
     for as_object, as_text in zip(_embedded(doc), _embedded(payload.decode()), strict=True):
         assert _result(lambda: normalise(as_text)) == _result(lambda: normalise(as_object))  # noqa: B023

@@ -1,0 +1,473 @@
+"""MLflow trace JSON in exactly the shape `Trace.to_json()` writes, read with msgspec: the hot path.
+
+Most of a trace's bytes are its spans' `mlflow.spanInputs`/`spanOutputs`, JSON strings that
+derivation mostly never reads. orjson would allocate all of them; msgspec decodes the document into
+the structs below instead, checking the declared types and decoding the base64 ids in C, keeping
+the few attributes derivation may read as the raw bytes of their JSON text (`msgspec.Raw`) and
+skipping every other key unread.
+
+* `derive_canonical_json(payload)` gives the `EvalRecord` (what `normalise()` reads whole payloads
+  with). When the trace states its own token usage, as MLflow writes it whenever a span recorded
+  usage, derivation reads only the root span, the TOOL spans and the top-level RETRIEVER spans: the
+  span walk reads those straight into the record's parts (`_lean_parts`) and builds no `Span` but
+  the root's; the chains, model calls and rerankers around them, half the spans of a RAG agent's
+  trace, are checked like the rest and dropped.
+* `parse_canonical_json(payload)` gives the `Trace` with every span.
+
+Both give None for anything else (another shape, another format, bad input): the caller decodes the
+payload and calls the general reader (`tracejudge.schemas.mlflow.parse_trace`), which reads every
+form and names what is wrong. For the payloads they read, the record equals `derive()` of the
+general reader's `Trace`; tests/test_mlflow_fast_path.py checks that on real and mutated traces,
+and bench/bench_derive.py on its corpus before it times anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from operator import itemgetter
+from typing import Annotated, Any
+
+import msgspec
+import orjson
+
+from tracejudge.schemas import errors
+from tracejudge.schemas.derive import HTTP_STATUS_KEYS, derive, derived_record, documents_from_output
+from tracejudge.schemas.errors import RecordError
+from tracejudge.schemas.mlflow import (
+    _KINDS,
+    _RAW_KINDS,
+    _STATUS,
+    CHAT_USAGE,
+    SPAN_INPUTS,
+    SPAN_OUTPUTS,
+    SPAN_TYPE,
+    _attr,
+    _build_trace,
+    _check_events,
+    _exception,
+    _Malformed,
+    _stated_usage,
+    _tool_name,
+    _usage,
+    parse_trace,
+)
+from tracejudge.schemas.record import EvalRecord, ToolCall
+from tracejudge.schemas.trace import Document, Span, SpanKind, SpanStatus, Trace
+
+__all__ = ["derive_canonical_json", "parse_canonical_json", "parse_trace_json"]
+
+# Enum member lookups cost ~140 ns each on Python 3.11; the per-span code uses these instead.
+_TOOL, _RETRIEVER, _UNKNOWN = SpanKind.TOOL, SpanKind.RETRIEVER, SpanKind.UNKNOWN
+_UNSET = SpanStatus.UNSET
+_start = itemgetter(0)
+
+# orjson, which the general path reads with, gives a float for an integer beyond 64 bits, and
+# msgspec bounds must fit an int64: times past 2**63 - 1 ns (year 2262) take the general path.
+_WireInt = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+_NO_EVENTS = msgspec.Raw(b"[]")
+
+
+class _NotCanonical(Exception):
+    """The span list is not in the shape `Trace.to_json()` of MLflow >= 3.5 writes."""
+
+
+class _NotLean(Exception):
+    """A span list `_lean_parts` cannot read safely (a repeated span id, a child listed before its
+    parent or under a parent no span has, a span that is its own parent): read every span."""
+
+
+# --------------------------------------------------------------------------------------------
+# the wire structs: every key derivation reads, exactly typed; anything else is skipped unread
+
+
+class _WireExperiment(msgspec.Struct, gc=False):
+    experiment_id: str | None = None
+
+
+class _WireLocation(msgspec.Struct, gc=False):
+    type: str | None = None
+    mlflow_experiment: _WireExperiment | None = None
+
+
+class _WireInfo(msgspec.Struct, gc=False):
+    # The keys `_trace` of the general reader reads, typed as it checks them; a value it would
+    # convert or drop (a string of digits, a non-string tag) fails here, and it reads the trace.
+    trace_id: str
+    client_request_id: str | None = None
+    trace_location: _WireLocation | None = None
+    request_time: str | _WireInt | None = None
+    state: str | None = None
+    execution_duration_ms: _WireInt | None = None
+    execution_duration: str | None = None
+    trace_metadata: dict[str, str] | None = None
+    tags: dict[str, str] | None = None
+    assessments: msgspec.Raw = None  # rare, and any JSON: decoded by orjson like the general path
+
+
+class _WireStatus(msgspec.Struct, gc=False):
+    code: str
+    message: str
+
+
+# The root span's attributes `derive()` reads besides its payloads (struct field, attribute key).
+_HTTP_FIELDS = tuple((f"http_{i}", key) for i, key in enumerate(HTTP_STATUS_KEYS))
+# The attributes derivation reads: `mlflow.spanType` as written ('"RETRIEVER"', a JSON string),
+# payloads and usage as raw JSON text (decoded only for the spans that need them), and the root
+# span's HTTP status.
+_WireAttributes = msgspec.defstruct("_WireAttributes", [
+    ("span_type", str | None, msgspec.field(name=SPAN_TYPE, default=None)),
+    ("inputs", msgspec.Raw, msgspec.field(name=SPAN_INPUTS, default=None)),
+    ("outputs", msgspec.Raw, msgspec.field(name=SPAN_OUTPUTS, default=None)),
+    ("usage", msgspec.Raw, msgspec.field(name=CHAT_USAGE, default=None)),
+    *((name, msgspec.Raw, msgspec.field(name=key, default=None)) for name, key in _HTTP_FIELDS),
+], gc=False)
+
+
+class _WireSpan(msgspec.Struct, gc=False):
+    # Every key is required and exactly typed: a span written any other way is read by the general
+    # reader. msgspec's base64 is binascii's strict mode: standard alphabet, padded, nothing after
+    # the padding, so an 8-byte id is exactly the 12-character form the general reader decodes.
+    span_id: bytes
+    parent_span_id: bytes | None
+    name: str
+    start_time_unix_nano: _WireInt
+    end_time_unix_nano: _WireInt
+    status: _WireStatus
+    attributes: _WireAttributes
+    events: msgspec.Raw  # nearly always "[]"; anything else is decoded and checked as JSON
+
+
+class _WireData(msgspec.Struct, gc=False):
+    spans: list[_WireSpan]
+
+
+class _WireTrace(msgspec.Struct, gc=False):
+    info: _WireInfo
+    data: _WireData
+
+
+class _WireDocumentMetadata(msgspec.Struct, gc=False):
+    doc_uri: str
+
+
+class _WireDocument(msgspec.Struct, gc=False):
+    # MLflow's `Document.to_dict()`; its other keys (id, chunk_id, score...) are skipped unread.
+    page_content: str
+    metadata: _WireDocumentMetadata
+
+
+_WIRE_DECODER = msgspec.json.Decoder(_WireTrace)
+_DOCUMENTS_DECODER = msgspec.json.Decoder(list[_WireDocument])
+# A Raw's bytes reach orjson only through memoryview(), ~200 ns each: msgspec reads the JSON
+# string holding an attribute's JSON at about orjson's speed without that toll.
+_STRING_DECODER = msgspec.json.Decoder(str)
+
+# What the wire structs reject, or what the checks after them raise: the general reader decides.
+_NOT_READ = (msgspec.DecodeError, UnicodeError, _NotCanonical, _Malformed, KeyError, TypeError, ValueError,
+             AttributeError, IndexError, OverflowError, RecursionError)
+
+
+# --------------------------------------------------------------------------------------------
+# attribute values
+
+
+def _raw_attr(raw: msgspec.Raw) -> Any:
+    """`_attr` of an attribute's JSON text: the JSON string, then the JSON inside it."""
+    try:
+        text = _STRING_DECODER.decode(raw)
+    except msgspec.ValidationError:  # not a string: a value set directly on the span, kept as is
+        return orjson.loads(memoryview(raw))
+    return _attr(text)
+
+
+def _raw_documents(raw: msgspec.Raw) -> list[Document]:
+    """A retriever's `mlflow.spanOutputs` as `documents_from_output` reads it, straight into
+    `Document`s when it is a list of MLflow `Document.to_dict()`s (~60% of the cost)."""
+    try:
+        chunks = _DOCUMENTS_DECODER.decode(_STRING_DECODER.decode(raw))
+    except (msgspec.DecodeError, RecursionError):
+        return documents_from_output(_raw_attr(raw))
+    documents = [Document(chunk.page_content, chunk.metadata.doc_uri) for chunk in chunks]
+    for document in documents:
+        if not document.doc_uri:  # `documents_from_output` then looks for a top-level doc_uri
+            return documents_from_output(_raw_attr(raw))
+    return documents
+
+
+def _root_attributes(attrs: Any) -> dict[str, Any]:
+    out = {}
+    for name, key in _HTTP_FIELDS:
+        raw = getattr(attrs, name)
+        if raw is not None:
+            out[key] = _raw_attr(raw)
+    return out
+
+
+def _events_exception(events: msgspec.Raw) -> str | None:
+    decoded = orjson.loads(memoryview(events))
+    if type(decoded) is not list:
+        raise _NotCanonical
+    _check_events(decoded, "time_unix_nano")
+    return _exception(decoded)
+
+
+def _kind_of(raw: Any) -> SpanKind:
+    """`mlflow.spanType` as the general reader reads it when it is not one of the usual quoted names."""
+    if raw is None:
+        return _UNKNOWN
+    value = _attr(raw)
+    return _KINDS.get(value, _UNKNOWN) if type(value) is str else _UNKNOWN
+
+
+def _tool_inputs(raw: msgspec.Raw) -> Any:
+    # `_raw_attr` inlined for the common case: a JSON string holding JSON.
+    try:
+        return orjson.loads(_STRING_DECODER.decode(raw))
+    except (msgspec.ValidationError, orjson.JSONDecodeError):
+        return _raw_attr(raw)
+
+
+# --------------------------------------------------------------------------------------------
+# the span walks
+
+
+def _root_span(raw: _WireSpan, kind: SpanKind, span_id: str) -> Span:
+    """The `Span` the general reader builds for a span without a parent (payloads decoded)."""
+    attrs = raw.attributes
+    status = raw.status
+    span = Span(
+        span_id, None, raw.name, raw.start_time_unix_nano,
+        raw.end_time_unix_nano or None,  # MLflow reads an end time of 0 as "not ended"
+        kind, _STATUS.get(status.code, _UNSET), status.message,
+        None if attrs.inputs is None else _raw_attr(attrs.inputs),
+        None if attrs.outputs is None else _raw_attr(attrs.outputs),
+        None, None if raw.events == _NO_EVENTS else _events_exception(raw.events),
+    )
+    span.attributes = _root_attributes(attrs)
+    if kind is _TOOL:
+        span.tool_name = _tool_name(span.inputs)
+    return span
+
+
+def _lean_parts(spans_raw: list[_WireSpan]) -> tuple[Span | None, list[Document] | None, list[ToolCall]]:
+    """`derived_record`'s parts of a trace that states its usage: the root `Span`, the documents of
+    the top-level retrievers and the tool calls, in start order; every span is checked as the
+    general reader checks it. Raises `_NotLean` for span lists whose retriever nesting cannot be
+    told in one pass, `_NotCanonical` for what the general reader must read."""
+    # The stream's hottest loop: most spans need nothing past the kind check.
+    raw_kinds, unknown, tool, retriever, no_events = _RAW_KINDS, _UNKNOWN, _TOOL, _RETRIEVER, _NO_EVENTS
+    seen: set[bytes] = set()
+    # RETRIEVER spans and every span below one: a retriever in here is nested, and
+    # `top_level_retrievers` leaves it out. Needs parents listed before their children.
+    below_retriever: set[bytes] = set()
+    root: Span | None = None
+    tools: list[tuple[int, ToolCall]] = []
+    retrievers: list[tuple[int, list[Document]]] = []
+    try:
+        for raw in spans_raw:
+            sid = raw.span_id
+            if len(sid) != 8:
+                raise _NotCanonical
+            parent = raw.parent_span_id
+            if sid in seen or (parent is not None and parent not in seen):
+                raise _NotLean
+            seen.add(sid)
+            attrs = raw.attributes
+            kind_raw = attrs.span_type
+            kind = unknown if kind_raw is None else raw_kinds.get(kind_raw)
+            if kind is None:
+                kind = _kind_of(kind_raw)
+            if parent is None and root is None:  # the root `derive()` reads: the first without a parent
+                root = _root_span(raw, kind, sid.hex())
+                if kind is tool:
+                    call = ToolCall(root.tool_name or root.name, root.inputs or None)
+                    tools.append((root.start_ns, call))
+                elif kind is retriever:
+                    below_retriever.add(sid)
+                    retrievers.append((root.start_ns, documents_from_output(root.outputs)))
+                continue
+            if raw.events != no_events:
+                _events_exception(raw.events)  # checked as the general reader checks it
+            if parent is not None and parent in below_retriever:
+                below_retriever.add(sid)
+                if kind is not tool:
+                    continue
+            elif kind is retriever:
+                below_retriever.add(sid)
+                outputs = attrs.outputs
+                documents = [] if outputs is None else _raw_documents(outputs)
+                retrievers.append((raw.start_time_unix_nano, documents))
+                continue
+            if kind is tool:
+                inputs = None if attrs.inputs is None else _tool_inputs(attrs.inputs)
+                name = _tool_name(inputs) if type(inputs) is dict and "call" in inputs else None
+                tools.append((raw.start_time_unix_nano, ToolCall(name or raw.name, inputs or None)))
+    except (_Malformed, KeyError, TypeError, ValueError, RecursionError):
+        raise _NotCanonical from None
+    retrieved = None
+    if retrievers:
+        if len(retrievers) > 1:
+            retrievers.sort(key=_start)  # stable, as `derive()`'s: a tie keeps the spans' order
+        retrieved = [document for _, documents in retrievers for document in documents]
+    if len(tools) > 1:
+        tools.sort(key=_start)
+    return root, retrieved, [call for _, call in tools]
+
+
+def _spans(spans_raw: list[_WireSpan], span_usage: bool) -> list[Span]:
+    """Every span, as the general reader with `everything=False` builds it but for what
+    `parse_canonical_json` documents."""
+    # The struct types already hold the checks the general reader makes with `type()`; what they
+    # cannot state is checked here.
+    raw_kinds, status_of, unset, unknown, tool, retriever = (
+        _RAW_KINDS, _STATUS, _UNSET, _UNKNOWN, _TOOL, _RETRIEVER)
+    span_of, no_events = Span, _NO_EVENTS
+    ids: dict[bytes, str] = {}  # every parent id is some span's id
+    spans: list[Span] = []
+    append = spans.append
+    try:
+        for raw in spans_raw:
+            sid = raw.span_id
+            if len(sid) != 8:
+                raise _NotCanonical
+            span_id = ids[sid] = sid.hex()
+            attrs = raw.attributes
+            kind_raw = attrs.span_type
+            kind = unknown if kind_raw is None else raw_kinds.get(kind_raw)
+            if kind is None:
+                kind = _kind_of(kind_raw)
+            parent = raw.parent_span_id
+            if parent is None:
+                span = _root_span(raw, kind, span_id)
+                append(span)
+            else:
+                parent_id = ids.get(parent)
+                if parent_id is None:  # a child listed before its parent
+                    if len(parent) != 8:
+                        raise _NotCanonical
+                    parent_id = ids[parent] = parent.hex()
+                events = raw.events
+                status = raw.status
+                span = span_of(
+                    span_id, parent_id, raw.name, raw.start_time_unix_nano,
+                    raw.end_time_unix_nano or None,  # MLflow reads an end time of 0 as "not ended"
+                    kind, status_of.get(status.code, unset), status.message, None, None, None,
+                    None if events == no_events else _events_exception(events),
+                )
+                append(span)
+                # As the general reader: tools' inputs and retrievers' outputs (the root's are
+                # decoded whole by `_root_span`).
+                if kind is tool:
+                    if attrs.inputs is not None:
+                        inputs = span.inputs = _tool_inputs(attrs.inputs)
+                        if type(inputs) is dict and "call" in inputs:
+                            span.tool_name = _tool_name(inputs)
+                elif kind is retriever and attrs.outputs is not None:
+                    span.documents = _raw_documents(attrs.outputs)
+            if span_usage and attrs.usage is not None:
+                span.token_usage = _usage(_raw_attr(attrs.usage))
+    except (_Malformed, KeyError, TypeError, ValueError, RecursionError):
+        raise _NotCanonical from None
+    return spans
+
+
+# --------------------------------------------------------------------------------------------
+# the trace
+
+
+def _trace(info: _WireInfo, spans: list[Span], app_tag: str | None, usage: Any) -> Trace:
+    assessments = None
+    if info.assessments is not None:
+        assessments = orjson.loads(memoryview(info.assessments))
+        if assessments is not None and type(assessments) is not list:
+            raise _Malformed
+    location = info.trace_location
+    experiment = None
+    if location is not None and location.mlflow_experiment is not None:
+        experiment = location.mlflow_experiment.experiment_id
+    return _build_trace(
+        info.trace_id, spans, "mlflow_v3", app_tag, usage,
+        metadata={} if info.trace_metadata is None else info.trace_metadata,
+        tags={} if info.tags is None else info.tags,
+        experiment=experiment, client_request_id=info.client_request_id, state=info.state,
+        assessments=assessments, request_time=info.request_time,
+        duration_value=info.execution_duration_ms, duration_wire=info.execution_duration,
+    )
+
+
+def _decode(payload: bytes | str) -> _WireTrace | None:
+    try:
+        if not payload.isascii():
+            # msgspec does not check the UTF-8 of the values it skips; the general path rejects it.
+            if type(payload) is not bytes:
+                return None
+            payload.decode()
+        return _WIRE_DECODER.decode(payload)
+    except _NOT_READ:
+        return None
+
+
+def derive_canonical_json(payload: bytes | str, *, app_tag: str | None = None) -> EvalRecord | None:
+    """`derive()` of the `Trace` of an MLflow 3 trace's JSON in exactly the shape `Trace.to_json()`
+    writes, or None for anything else: then decode the payload and call the general reader,
+    which reads every form and names what is wrong. An exception raised past reading (a bug in
+    derivation) is raised, as `derive()` raises it."""
+    wire = _decode(payload)
+    if wire is None:
+        return None
+    try:
+        info = wire.info
+        # Trace-level usage, when stated, is what derivation reports: span usage goes unread.
+        usage = _stated_usage(info.trace_metadata)
+        parts = None
+        if usage is not None:
+            with contextlib.suppress(_NotLean):
+                parts = _lean_parts(wire.data.spans)
+        spans = [] if parts is not None else _spans(wire.data.spans, usage is None)
+        trace = _trace(info, spans, app_tag, usage)
+    except _NOT_READ:
+        return None
+    if parts is None:
+        return derive(trace)
+    root, retrieved, trajectory = parts
+    return derived_record(trace, root, retrieved, trajectory, usage.with_total())
+
+
+def parse_canonical_json(payload: bytes | str, *, app_tag: str | None = None) -> Trace | None:
+    """The `Trace` of an MLflow 3 trace's JSON in exactly the shape `Trace.to_json()` writes, or
+    None for anything else (another shape, another format, bad input) — then decode the payload
+    and call `parse_trace`, which reads every form and names what is wrong.
+
+    It equals `parse_trace(orjson.loads(payload), everything=False)` but in what derivation does
+    not read: a non-root retriever's documents are in `Span.documents` and its `Span.outputs` is
+    left None, the root's `attributes` hold only its HTTP status, and when the trace states its
+    token usage the spans' `token_usage` is left None.
+    """
+    wire = _decode(payload)
+    if wire is None:
+        return None
+    try:
+        usage = _stated_usage(wire.info.trace_metadata)
+        return _trace(wire.info, _spans(wire.data.spans, usage is None), app_tag, usage)
+    except _NOT_READ:
+        return None
+
+
+def parse_trace_json(text: str, *, app_tag: str | None = None, field: str = "") -> Trace:
+    """An MLflow trace embedded as JSON text in another record (an agent-evaluation row's `trace`,
+    a serving response's `databricks_output.trace`), read for derivation: by `parse_canonical_json`
+    when it is in `Trace.to_json()`'s exact shape, else decoded by orjson and read by `parse_trace`
+    with `everything=False`. Raises `RecordError`: invalid_json at `field`, or the field that is wrong.
+
+    One difference from decoding with orjson first: a number beyond the float range under a key
+    derivation never reads is skipped by msgspec unread, so such a trace is read (as it is when it
+    is the whole payload) rather than rejected as invalid JSON.
+    """
+    trace = parse_canonical_json(text, app_tag=app_tag)
+    if trace is not None:
+        return trace
+    try:
+        obj = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise RecordError(errors.INVALID_JSON, str(exc), field or None) from None
+    return parse_trace(obj, app_tag=app_tag, field=field, everything=False)
