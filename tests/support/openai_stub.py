@@ -76,13 +76,14 @@ class Reply:
         prompt_tokens: int | None = 40,
         completion_tokens: int | None = 10,
         delay: float = 0.0,
+        model: str = "stub",
     ) -> Reply:
         text = content if isinstance(content, str) else orjson.dumps(content).decode()
         obj: dict[str, Any] = {
             "id": "chatcmpl-stub",
             "object": "chat.completion",
             "created": 0,
-            "model": "stub",
+            "model": model,
             "choices": [
                 {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}
             ],
@@ -94,6 +95,35 @@ class Reply:
                 "total_tokens": prompt_tokens + (completion_tokens or 0),
             }
         return cls(body=orjson.dumps(obj), delay=delay)
+
+    @classmethod
+    def tool_calls(
+        cls,
+        *calls: tuple[str, dict[str, Any]],
+        prompt_tokens: int = 40,
+        completion_tokens: int = 10,
+        model: str = "stub",
+    ) -> Reply:
+        """A chat completion that asks for tool calls: `(name, arguments)` pairs, ids `call_0`, …"""
+        message = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": f"call_{i}", "type": "function",
+                 "function": {"name": name, "arguments": orjson.dumps(args).decode()}}
+                for i, (name, args) in enumerate(calls)
+            ],
+        }
+        obj = {
+            "id": "chatcmpl-stub-tools",
+            "object": "chat.completion",
+            "created": 0,
+            "model": model,
+            "choices": [{"index": 0, "finish_reason": "tool_calls", "message": message}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens},
+        }
+        return cls(body=orjson.dumps(obj))
 
     @classmethod
     def verdict(cls, result: str = "yes", rationale: str = "stub verdict", **kw: Any) -> Reply:
@@ -138,6 +168,35 @@ class Reply:
         )
 
 
+def _as_stream(reply: Reply) -> Reply:
+    """A chat completion reply as the server-sent events of a streamed one: a role chunk, one chunk
+    of content or tool calls, a finish chunk, a usage chunk (sent whatever `stream_options` asked, so
+    a streaming client sees the same usage as a plain one), then `[DONE]`."""
+    try:
+        obj = orjson.loads(reply.body)
+        choice = obj["choices"][0]
+    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
+        return reply
+    message = choice.get("message") or {}
+    base = {"id": obj.get("id", "chatcmpl-stub"), "object": "chat.completion.chunk",
+            "created": 0, "model": obj.get("model", "stub")}
+    delta: dict[str, Any] = {}
+    if message.get("content") is not None:
+        delta["content"] = message["content"]
+    if message.get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+    chunks = [
+        {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                              "finish_reason": None}]},
+        {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+        {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": choice.get("finish_reason")}]},
+    ]
+    if obj.get("usage"):
+        chunks.append({**base, "choices": [], "usage": obj["usage"]})
+    body = b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+    return Reply(body=body, headers=reply.headers, delay=reply.delay, content_type="text/event-stream")
+
+
 def bag_of_words_vector(text: str, dims: int = 64) -> list[float]:
     v = [0.0] * dims
     for w in re.findall(r"[a-z0-9]+", text.lower()):
@@ -179,6 +238,8 @@ class OpenAIStub:
         # Added to every reply's own delay (the benchmark's fixed latency).
         self.delay = delay
         self.requests: deque[StubRequest] = deque(maxlen=record)
+        # (request, reply) pairs in answer order: what a test app's expected token counts come from.
+        self.answered: deque[tuple[StubRequest, Reply]] = deque(maxlen=record)
         self.total = 0
         self._queue: deque[Reply] = deque()
         self._lock = threading.Lock()
@@ -245,7 +306,10 @@ class OpenAIStub:
             self.requests.append(req)
             self.total += 1
             scripted = self._queue.popleft() if self._queue else None
-        return scripted if scripted is not None else self.responder(req)
+        reply = scripted if scripted is not None else self.responder(req)
+        with self._lock:
+            self.answered.append((req, reply))
+        return reply
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -269,6 +333,8 @@ class OpenAIStub:
                 req = StubRequest(method, target.split("?", 1)[0], headers, body, time.monotonic())
                 req.headers["x-query"] = target.split("?", 1)[1] if "?" in target else ""
                 reply = self._next_reply(req)
+                if isinstance(body, dict) and body.get("stream") and reply.status == 200:
+                    reply = _as_stream(reply)
                 if reply.delay + self.delay > 0:
                     await asyncio.sleep(reply.delay + self.delay)
                 extra = "".join(f"{k}: {v}\r\n" for k, v in reply.headers.items())
