@@ -46,7 +46,8 @@ def generate(app: str, venv: pathlib.Path | None) -> pathlib.Path:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("apps", nargs="*", help="app module names (apps/<name>.py)")
     parser.add_argument("--all", action="store_true", help="every app with a requirements file")
     parser.add_argument("--venv", type=pathlib.Path, help="reuse this virtual environment")
