@@ -4,7 +4,8 @@ The Databricks Agent Evaluation / `mlflow.evaluate` row: `request`, `response`,
 `retrieved_context`, `expected_response`, `expected_retrieved_context`, `expected_facts`,
 `guidelines`, `reference_trajectory` and optionally the MLflow `trace` of the request. MLflow 3's
 `mlflow.genai.evaluate` rows (`inputs`, `outputs`, `expectations`) are read the same way. What the
-record states wins over what is derived from its trace.
+record states wins over what is derived from its trace. A record must state its request (or
+`inputs`) or carry a trace; one with neither is rejected, naming `request`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ def normalise_agent_eval(obj: Mapping[str, Any], *, app_tag: str | None = None) 
     except ValidationError as exc:
         path, detail = describe(exc)
         raise RecordError(errors.INVALID_RECORD, detail, path or None) from None
+    if row.request is None and row.inputs is None and row.trace is None:
+        # Nothing says what was asked: no judge or request metric could use the record.
+        got = ("required field is missing" if "request" not in obj
+               else "expected a string or an object, got null")
+        raise RecordError(errors.INVALID_RECORD, f"{got} (a record without a trace must state its request, "
+                          "or mlflow.genai.evaluate's inputs)", "request")
 
     tags = {k: v for k, v in (row.tags or {}).items() if isinstance(v, str)}
     stated = EvalRecord(request_id=row.request_id, source_format="agent_eval", tags=tags)

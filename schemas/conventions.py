@@ -173,7 +173,7 @@ def _inputs(attrs: dict[str, Any], flat: dict[str, Any], kind: SpanKind) -> Any:
         # tool's schema in others; it is read only when nothing states the actual call.
         return _json_value(attrs["tool.parameters"]) if "tool.parameters" in attrs else None
     messages = _chat_request(attrs, flat)
-    if messages is not None:
+    if messages is not None and (_has_content(messages) or "input.value" not in attrs):
         return {"messages": messages}
     if "input.value" in attrs:
         return _openinference_value(attrs, "input")
@@ -188,13 +188,20 @@ def _outputs(attrs: dict[str, Any], flat: dict[str, Any], kind: SpanKind) -> Any
     if kind is SpanKind.TOOL and "gen_ai.tool.call.result" in attrs:
         return _strict_json(attrs["gen_ai.tool.call.result"])
     choices = _chat_response(attrs, flat)
-    if choices is not None:
+    if choices is not None and (_has_content([c["message"] for c in choices]) or "output.value" not in attrs):
         return {"choices": choices}
     if "output.value" in attrs:
         return _openinference_value(attrs, "output")
     if "traceloop.entity.output" in attrs:
-        return _strict_json(attrs["traceloop.entity.output"])
+        return _unwrap_call(_strict_json(attrs["traceloop.entity.output"]))
     return None
+
+
+def _has_content(messages: list[dict[str, Any]]) -> bool:
+    """Some message states text or tool calls: OpenInference's LangChain instrumentation flattens
+    `llm.input_messages.N.message.role` onto chain spans without the content, which is then only
+    in `input.value`."""
+    return any(m.get("content") is not None or m.get("tool_calls") for m in messages)
 
 
 def _openinference_value(attrs: Mapping[str, Any], which: str) -> Any:
@@ -317,9 +324,19 @@ def _traceloop_message(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Traceloop's LangChain instrumentation wraps a run's inputs and outputs with the callback's extras.
+_TRACELOOP_INPUT_EXTRAS: Final = frozenset({"tags", "metadata", "kwargs"})
+
+
 def _unwrap_call(value: Any) -> Any:
     """Traceloop records a call as `{"args": [...], "kwargs": {...}}`; MLflow records the named
-    arguments. Unwrap the unambiguous cases so both compare equal in trajectories."""
+    arguments. Unwrap the unambiguous cases so both compare equal in trajectories. Its LangChain
+    instrumentation writes `{"inputs": ..., "tags": ..., "metadata": ..., "kwargs": ...}` and
+    `{"outputs": ..., "kwargs": ...}`: the run's own inputs and outputs are unwrapped."""
+    if isinstance(value, dict) and len(value) > 1:
+        for key in ("inputs", "outputs"):
+            if key in value and set(value) - {key} <= _TRACELOOP_INPUT_EXTRAS:
+                return value[key]
     if isinstance(value, dict) and set(value) == {"args", "kwargs"}:
         args, kwargs = value["args"], value["kwargs"]
         if not args and isinstance(kwargs, dict):
@@ -336,32 +353,36 @@ def _documents(attrs: dict[str, Any], flat: dict[str, Any],
                events: Sequence[tuple[str, Mapping[str, Any]]]) -> list[Document] | None:
     items = _indexed(flat, "retrieval.documents.")
     if items:
-        return [_document(d.get("document.content"), d.get("document.id"), d.get("document.metadata"))
-                for d in items]
+        return [_document(d.get("document.content"), d.get("document.metadata")) for d in items]
     if "gen_ai.retrieval.documents" in attrs:
         docs = []
         for d in _json_list(attrs["gen_ai.retrieval.documents"]):
             if isinstance(d, Mapping):
                 content = next((d[k] for k in ("content", "text", "page_content") if k in d), None)
-                docs.append(_document(content, d.get("id"), d.get("metadata")))
+                docs.append(_document(content, d.get("metadata")))
         return docs
     # Traceloop's vector-DB instrumentations: one `db.query.result` event per hit.
     hits = [e for n, e in events if n == "db.query.result"]
     if hits:
-        return [_document(e.get("db.query.result.document"), e.get("db.query.result.id"),
-                          e.get("db.query.result.metadata")) for e in hits]
+        return [_document(e.get("db.query.result.document"), e.get("db.query.result.metadata"))
+                for e in hits]
     # None (not []): MLflow-style retrievers state their documents in the outputs, read by derive.
     return None
 
 
-def _document(content: Any, doc_id: Any, metadata: Any) -> Document:
+# Where a document's metadata states where it came from, by preference: MLflow's own key, the usual
+# URI keys, LangChain loaders' `source`, LlamaIndex's `file_path` for documents read from files.
+DOC_URI_KEYS: Final = ("doc_uri", "uri", "url", "source", "file_path")
+
+
+def _document(content: Any, metadata: Any) -> Document:
+    """A retrieved document; its `doc_uri` comes from its metadata only. A document's id names the
+    chunk in its store (a UUID, a row number), not where the text came from, so it is never
+    taken as a URI."""
     meta = _json_value(metadata)
     uri = None
     if isinstance(meta, Mapping):
-        uri = next((meta[k] for k in ("doc_uri", "uri", "url", "source") if meta.get(k) is not None), None)
-    if uri is None and doc_id is not None:
-        # The id is the only identifier OpenInference and GenAI documents are required to have.
-        uri = doc_id
+        uri = next((meta[k] for k in DOC_URI_KEYS if meta.get(k) not in (None, "")), None)
     return Document(content=None if content is None else str(content),
                     doc_uri=None if uri is None else str(uri))
 

@@ -76,14 +76,49 @@ def _text_of_content(content: Any) -> str | None:
     return None
 
 
+# LangChain's message types -> chat roles: `{"type": "human", ...}` (`message.model_dump()`), its
+# `{"type": "ai", "data": {...}}` form (`messages_to_dict`) and the serialized
+# `{"lc": 1, "type": "constructor", "id": [..., "AIMessage"], "kwargs": {...}}` form.
+_LANGCHAIN_ROLES = {
+    "human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "tool",
+    "HumanMessage": "user", "HumanMessageChunk": "user", "AIMessage": "assistant",
+    "AIMessageChunk": "assistant", "SystemMessage": "system", "ToolMessage": "tool",
+    "FunctionMessage": "tool", "ChatMessage": None,
+}
+
+
+def _chat_message(value: Any) -> dict[str, Any] | None:
+    """`value` as an OpenAI-style `{role, content, ...}` message, or None when it is none.
+
+    OpenAI's shape is taken as it is; LangChain's three dict forms are unwrapped."""
+    if type(value) is not dict:
+        return None
+    if "role" in value:
+        return value
+    kind = value.get("type")
+    if kind == "constructor" and value.get("lc") == 1:
+        ids, kwargs = value.get("id"), value.get("kwargs")
+        if isinstance(ids, list) and ids and isinstance(kwargs, dict):
+            role = _LANGCHAIN_ROLES.get(ids[-1]) or kwargs.get("role")
+            return {**kwargs, "role": role} if role else None
+        return None
+    if isinstance(kind, str) and kind in _LANGCHAIN_ROLES:
+        data = value.get("data")
+        body = data if isinstance(data, dict) and "content" in data else value
+        if "content" in body:
+            role = _LANGCHAIN_ROLES[kind] or body.get("role")
+            return {**body, "role": role} if role else None
+    return None
+
+
 def _is_message_list(value: Any) -> bool:
-    return (isinstance(value, list) and len(value) > 0 and isinstance(value[-1], dict)
-            and "role" in value[-1])
+    return isinstance(value, list) and len(value) > 0 and _chat_message(value[-1]) is not None
 
 
 def _last_message_text(messages: list[Any], role: str) -> str | None:
-    for message in reversed(messages):
-        if isinstance(message, dict) and message.get("role") == role:
+    for item in reversed(messages):
+        message = _chat_message(item)
+        if message is not None and message.get("role") == role:
             text = _text_of_content(message.get("content"))
             if text is not None:
                 return text
@@ -163,8 +198,16 @@ def _answer(value: Any, depth: int) -> str | None:
     messages = value.get("messages")
     if _is_message_list(messages):
         text = _last_message_text(messages, "assistant")
-        if text is None and isinstance(messages[-1].get("content"), str):
-            text = messages[-1]["content"]
+        if text is None:
+            last = _chat_message(messages[-1])
+            if last is not None and isinstance(last.get("content"), str):
+                text = last["content"]
+        if text is not None:
+            return text
+    message = _chat_message(value)
+    if message is not None:
+        # One message: a LangChain AIMessage, or `{"role": "assistant", "content": ...}`.
+        text = _text_of_content(message.get("content"))
         if text is not None:
             return text
     output = value.get("output")
@@ -385,18 +428,35 @@ def root_span(spans: Iterable[Span]) -> Span | None:
     return None
 
 
-def _failure(trace: Trace, root: Span | None) -> tuple[bool | None, str | None]:
+def _span_error(span: Span) -> str | None:
+    if span.exception:
+        return span.exception
+    if span.status == _ERROR:
+        return span.status_message or f"span {span.name!r} status is ERROR"
+    return None
+
+
+def _failure(trace: Trace, root: Span | None, below: _Below | None) -> tuple[bool | None, str | None]:
+    """Failed when the root span is in error or answered HTTP >= 500, or the trace's state says so;
+    for spans from OpenTelemetry instrumentation (`below`), also when the app span or a top-level
+    AGENT span is in error. A span in error below those (a tool the agent recovered from, a model
+    call that was retried) is not a failure of the request."""
     error: str | None = None
     if root is not None:
-        if root.exception:
-            error = root.exception
-        elif root.status == _ERROR:
-            error = root.status_message or "root span status is ERROR"
-        else:
+        error = _span_error(root)
+        if error is None:
             for key in HTTP_STATUS_KEYS:
                 code = root.attributes.get(key)
-                if isinstance(code, int) and not isinstance(code, bool) and code >= 400:
+                if isinstance(code, int) and not isinstance(code, bool) and code >= 500:
                     error = f"HTTP {code}"
+                    break
+    if error is None and below is not None:
+        if below.app is not None and below.app is not root:
+            error = _span_error(below.app)
+        if error is None:
+            for span in below.top_agents:
+                error = _span_error(span)
+                if error is not None:
                     break
     if error is None and trace.state == "ERROR":
         error = "trace state is ERROR"
@@ -405,6 +465,111 @@ def _failure(trace: Trace, root: Span | None) -> tuple[bool | None, str | None]:
     if trace.state is None and root is None:
         return None, None
     return False, None
+
+
+# --------------------------------------------------------------------------------------------
+# the app span: where an OpenTelemetry trace states the request it served
+
+# Formats whose spans come from OpenTelemetry instrumentation: their root is often not the app's
+# (an HTTP server span, a framework's content-less workflow span), so the request and response
+# come from the app span and the model calls below it. An MLflow trace's root is the app by
+# MLflow's definition, and its request and response are read there only, as MLflow reads them.
+_OTLP_FORMATS = frozenset({"otlp_proto", "otlp_json"})
+
+
+class _Below:
+    """What an OpenTelemetry trace's spans below the root say about the request."""
+
+    __slots__ = ("app", "model_calls", "top_agents")
+
+    def __init__(self, spans: list[Span], root: Span | None) -> None:
+        children: dict[str, list[Span]] = {}
+        ids = {s.span_id for s in spans}
+        for span in spans:
+            if span.parent_id and span.parent_id in ids and span.parent_id != span.span_id:
+                children.setdefault(span.parent_id, []).append(span)
+        self.app = _app_span(root, children, len(spans))
+        # Model calls in start order (a model call's own nested call is one more model call: the
+        # first one's input and the last-ending one's output are what the fallbacks read).
+        self.model_calls = sorted((s for s in spans if s.kind.is_model_call), key=_start)
+        self.top_agents = _top_agents(root, children, len(spans))
+
+
+def _carries_dialect(span: Span) -> bool:
+    """The span states what it did under a convention tracejudge reads (not an HTTP or DB span)."""
+    return span.kind is not SpanKind.UNKNOWN or span.inputs is not None or span.outputs is not None
+
+
+def _app_span(root: Span | None, children: dict[str, list[Span]], limit: int) -> Span | None:
+    """The outermost span that carries a dialect: the root when it does, else the first such span
+    breadth-first below it (the earliest-starting one of its level)."""
+    if root is None or _carries_dialect(root):
+        return root
+    level, seen = [root], {id(root)}
+    while level and len(seen) <= limit:
+        below = sorted((c for s in level for c in children.get(s.span_id, ()) if id(c) not in seen),
+                       key=_start)
+        for span in below:
+            if _carries_dialect(span):
+                return span
+        seen.update(id(c) for c in below)
+        level = below
+    return root
+
+
+def _top_agents(root: Span | None, children: dict[str, list[Span]], limit: int) -> list[Span]:
+    """AGENT spans with no AGENT span above them, below the root."""
+    if root is None:
+        return []
+    found: list[Span] = []
+    stack, seen = list(children.get(root.span_id, ())), {id(root)}
+    while stack and len(seen) <= limit:
+        span = stack.pop()
+        if id(span) in seen:
+            continue
+        seen.add(id(span))
+        if span.kind is SpanKind.AGENT:
+            found.append(span)
+        else:
+            stack.extend(children.get(span.span_id, ()))
+    return found
+
+
+def _request(root: Span | None, below: _Below | None) -> str | None:
+    if below is None:
+        return request_text(root.inputs) if root is not None else None
+    app = below.app
+    if app is not None and app.inputs is not None:
+        text = _question(app.inputs, 0)
+        if text is not None:
+            return text
+    # The app span holds no question: the first model call's last user message.
+    for call in below.model_calls[:1]:
+        text = _question(call.inputs, 0) if call.inputs is not None else None
+        if text is not None:
+            return text
+    return request_text(app.inputs) if app is not None else None
+
+
+def _response(root: Span | None, below: _Below | None, failed: bool | None) -> str | None:
+    if below is None:
+        return response_text(root.outputs) if root is not None else None
+    app = below.app
+    if app is not None and app.outputs is not None:
+        text = _answer(app.outputs, 0)
+        if text is not None:
+            return text
+    if not failed and below.model_calls:
+        # The app span holds no answer: the assistant text of the model call that ended last.
+        last = max(below.model_calls, key=_end)
+        text = _answer(last.outputs, 0) if last.outputs is not None else None
+        if text is not None:
+            return text
+    return response_text(app.outputs) if app is not None else None
+
+
+def _end(span: Span) -> int:
+    return span.end_ns if span.end_ns is not None else span.start_ns
 
 
 def derive(trace: Trace) -> EvalRecord:
@@ -426,11 +591,12 @@ def derive(trace: Trace) -> EvalRecord:
     trajectory = [ToolCall(s.tool_name or s.name, s.inputs or None) for s in tools]
 
     tokens = trace.token_usage.with_total() if trace.token_usage is not None else sum_token_usage(spans)
-    return derived_record(trace, root_span(spans), retrieved, trajectory, tokens)
+    return derived_record(trace, root_span(spans), retrieved, trajectory, tokens, spans)
 
 
 def derived_record(trace: Trace, root: Span | None, retrieved: list[Document] | None,
-                   trajectory: list[ToolCall], tokens: TokenUsage | None) -> EvalRecord:
+                   trajectory: list[ToolCall], tokens: TokenUsage | None,
+                   spans: list[Span] | None = None) -> EvalRecord:
     """The record of `trace` once its spans are read: its root span (the first without a parent),
     the documents of its top-level retrievers in start order (None when it has no retriever), its
     tool calls in start order and its token usage. `derive()` reads them from `trace.spans`; the
@@ -450,14 +616,19 @@ def derived_record(trace: Trace, root: Span | None, retrieved: list[Document] | 
     elif root is not None and root.start_ns:
         timestamp = root.start_ns / 1e9
 
-    failed, error = _failure(trace, root)
+    # OpenTelemetry traces: the app span below a non-GenAI root, model-call fallbacks, failure
+    # below the root. `spans` is None from the MLflow reader, which reads the root only.
+    # A trace whose root never arrived has no app span: nothing below is read as the request's.
+    below = (_Below(spans, root) if root is not None and spans is not None
+             and trace.source_format in _OTLP_FORMATS else None)
+    failed, error = _failure(trace, root, below)
     record = EvalRecord(
         request_id=trace.client_request_id or trace.trace_id,
         trace_id=trace.trace_id,
         app=trace.app,
         source_format=trace.source_format,
-        request=request_text(root.inputs) if root is not None else None,
-        response=response_text(root.outputs) if root is not None else None,
+        request=_request(root, below),
+        response=_response(root, below, failed),
         retrieved_context=retrieved,
         trajectory=trajectory,
         latency_seconds=latency,

@@ -20,7 +20,7 @@ from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.inputs import InferenceLogRow, ValidationError, describe, time_ms
 from tracejudge.schemas.mlflow import parse_trace
 from tracejudge.schemas.mlflow_wire import parse_trace_json
-from tracejudge.schemas.record import EvalRecord
+from tracejudge.schemas.record import EvalRecord, python_json
 from tracejudge.schemas.trace import TokenUsage
 
 __all__ = ["is_inference_log_row", "normalise_row"]
@@ -36,14 +36,23 @@ def is_inference_log_row(obj: Mapping[str, Any]) -> bool:
     return any(key in obj for key in _ROW_KEYS)
 
 
-def _body(value: Any) -> Any:
-    """A logged body: JSON text is decoded; text that is not JSON is taken as it is."""
-    if isinstance(value, str):
-        try:
-            return orjson.loads(value)
-        except orjson.JSONDecodeError:
+def _body(value: Any, field: str) -> Any:
+    """A logged body: JSON text is decoded; text that is not JSON is taken as it is, unless it looks
+    like JSON (starts with `{` or `[`) and does not parse: a truncated or corrupted body is bad input,
+    rejected as `invalid_json` naming `field`, not a question or answer to judge."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return orjson.loads(value)
+    except orjson.JSONDecodeError as exc:
+        if not value.lstrip().startswith(("{", "[")):
             return value
-    return value
+        try:
+            return python_json(value)  # the NaN and Infinity that Python producers write
+        except (ValueError, RecursionError):
+            pass
+        raise RecordError(errors.INVALID_JSON, f"looks like JSON but does not parse: {exc.msg} at line "
+                          f"{exc.lineno} column {exc.colno}", field) from None
 
 
 def _without_serving_keys(body: Any) -> Any:
@@ -92,8 +101,8 @@ def normalise_row(obj: Mapping[str, Any], *, app_tag: str | None = None) -> Eval
         path, detail = describe(exc)
         raise RecordError(errors.INVALID_RECORD, detail, path or None) from None
 
-    request_body = _body(row.request)
-    response_body = _body(row.response)
+    request_body = _body(row.request, "request")
+    response_body = _body(row.response, "response")
     status = row.status_code
     failed = None if status is None else status >= 400
     error = None

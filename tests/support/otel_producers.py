@@ -63,7 +63,7 @@ class Recorded:
     answer: str
     tool: str
     tool_args: dict
-    documents: list[tuple[str, str]]  # (content, doc_uri)
+    documents: list[tuple[str, str | None]]  # (content, doc_uri)
     input_tokens: int
     output_tokens: int
     failed: bool
@@ -93,7 +93,8 @@ def genai_trace(tracer: Tracer, question: str, answer: str, *, structured: bool 
                 "gen_ai.operation.name": "retrieval", "gen_ai.data_source.id": "kb",
                 "gen_ai.retrieval.query.text": question,
                 "gen_ai.retrieval.documents": messages(
-                    [{"id": uri, "score": 0.9, "content": text} for text, uri in docs])}):
+                    [{"id": f"chunk-{i}", "score": 0.9, "content": text, "metadata": {"url": uri}}
+                     for i, (text, uri) in enumerate(docs)])}):
             pass
         with tracer.start_as_current_span("execute_tool population", attributes={
                 "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "population",
@@ -118,13 +119,13 @@ def genai_trace(tracer: Tracer, question: str, answer: str, *, structured: bool 
 
 def openinference_trace(tracer: Tracer, question: str, answer: str) -> Recorded:
     """OpenInference: AGENT -> RETRIEVER (flattened documents), TOOL, LLM (flattened messages)."""
-    docs = [("MLflow is an MLOps platform.", "https://mlflow.org/docs"), ("Tracing records spans.", "doc-2")]
+    docs = [("MLflow is an MLOps platform.", "https://mlflow.org/docs"), ("Tracing records spans.", None)]
     with tracer.start_as_current_span("agent", attributes={
             "openinference.span.kind": "AGENT", "input.value": question, "input.mime_type": "text/plain",
             "output.value": answer, "output.mime_type": "text/plain", "session.id": "s-9",
             "user.id": "u-1"}) as root:
         retriever_attrs = {"openinference.span.kind": "RETRIEVER", "input.value": question}
-        # The second document has no doc_uri metadata: its id identifies it.
+        # The second document has no metadata: its id names a chunk, not a URI, so doc_uri is None.
         retriever_attrs.update({
             "retrieval.documents.0.document.id": "d-1",
             "retrieval.documents.0.document.content": docs[0][0],
