@@ -112,6 +112,11 @@ def span_from_otel(
         span.attributes = {k: v for k, v in attributes.items() if k not in _PAYLOAD_KEYS and k not in flat}
     else:
         span.attributes = attributes
+        if events and any(n == "db.query.result" for n, _ in events):
+            # OpenLLMetry's vector-DB instrumentations (Chroma, Qdrant, LanceDB, ...) mark a query
+            # span with `db.system` only and report its hits as events: it retrieved documents.
+            span.kind = SpanKind.RETRIEVER
+            span.documents = _documents(attributes, {}, events)
     return span
 
 
@@ -127,6 +132,8 @@ def _read_convention(span: Span, attrs: dict[str, Any], flat: dict[str, Any],
     else:
         span.inputs = _inputs(attrs, flat, kind)
         span.outputs = _outputs(attrs, flat, kind)
+        if events and (span.inputs is None or span.outputs is None):
+            _read_content_events(span, events)
     span.token_usage = _token_usage(attrs)
     if kind is SpanKind.RETRIEVER or kind is SpanKind.RERANKER:
         span.documents = _documents(attrs, flat, events)
@@ -202,6 +209,96 @@ def _has_content(messages: list[dict[str, Any]]) -> bool:
     `llm.input_messages.N.message.role` onto chain spans without the content, which is then only
     in `input.value`."""
     return any(m.get("content") is not None or m.get("tool_calls") for m in messages)
+
+
+# Span events that carry a model call's messages, for frameworks that write content there (Strands
+# Agents, the GenAI conventions' deprecated per-message events, their `gen_ai.content.*` events
+# before those, and the latest experimental `gen_ai.client.inference.operation.details`).
+_MESSAGE_EVENT_ROLES: Final = {
+    "gen_ai.system.message": "system", "gen_ai.user.message": "user",
+    "gen_ai.assistant.message": "assistant", "gen_ai.tool.message": "tool",
+}
+_CHOICE_EVENT: Final = "gen_ai.choice"
+_DETAILS_EVENT: Final = "gen_ai.client.inference.operation.details"
+_PROMPT_EVENT: Final = "gen_ai.content.prompt"
+_COMPLETION_EVENT: Final = "gen_ai.content.completion"
+CONTENT_EVENTS: Final = frozenset({*_MESSAGE_EVENT_ROLES, _CHOICE_EVENT, _DETAILS_EVENT, _PROMPT_EVENT,
+                                   _COMPLETION_EVENT})
+
+
+def _read_content_events(span: Span, events: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
+    """Fill a span's missing inputs/outputs from the content events on it, in the chat shapes."""
+    messages: list[dict[str, Any]] = []
+    choices: list[dict[str, Any]] = []
+    for name, attrs in events:
+        role = _MESSAGE_EVENT_ROLES.get(name)
+        if role is not None:
+            messages.append(_event_message(attrs, role))
+        elif name == _CHOICE_EVENT:
+            message = _json_value(attrs.get("message"))
+            out = (_event_message(message, "assistant") if isinstance(message, Mapping)
+                   else {"role": "assistant", "content": _content_text(message)})
+            choice: dict[str, Any] = {"index": _int(attrs.get("index")) or len(choices), "message": out}
+            if attrs.get("finish_reason") is not None:
+                choice["finish_reason"] = attrs["finish_reason"]
+            choices.append(choice)
+        elif name == _DETAILS_EVENT:
+            found = _chat_request(dict(attrs), {})
+            if found:
+                messages.extend(found)
+            found = _chat_response(dict(attrs), {})
+            if found:
+                choices.extend(found)
+        elif name == _PROMPT_EVENT and "gen_ai.prompt" in attrs:
+            prompt = _json_value(attrs["gen_ai.prompt"])
+            for m in prompt if isinstance(prompt, list) else [prompt]:
+                messages.append(_event_message(m, "user"))
+        elif name == _COMPLETION_EVENT and "gen_ai.completion" in attrs:
+            completion = _json_value(attrs["gen_ai.completion"])
+            for m in completion if isinstance(completion, list) else [completion]:
+                choices.append({"index": len(choices), "message": _event_message(m, "assistant")})
+    if span.inputs is None and messages:
+        span.inputs = {"messages": messages}
+    if span.outputs is None and choices:
+        span.outputs = {"choices": choices}
+
+
+def _event_message(attrs: Any, role: str) -> dict[str, Any]:
+    """One message from an event's attributes (or a message object): `content` as text or content
+    blocks (`[{"text": ...}]`, GenAI parts), `role` when stated, tool calls when stated."""
+    if not isinstance(attrs, Mapping):
+        return {"role": role, "content": _content_text(attrs)}
+    out: dict[str, Any] = {"role": attrs.get("role") or role, "content": _content_text(attrs.get("content"))}
+    if out["content"] is None and "parts" in attrs:
+        parts = _json_value(attrs["parts"])
+        out["content"] = _parts_text(parts if isinstance(parts, list) else [parts])
+    calls = _json_value(attrs.get("tool_calls"))
+    if isinstance(calls, list) and calls:
+        out["tool_calls"] = calls
+    if attrs.get("id") is not None and role == "tool":
+        out["tool_call_id"] = attrs["id"]
+    return out
+
+
+def _content_text(value: Any) -> str | None:
+    """Text of a content value: a string (JSON-decoded when it is a JSON array or object), or a
+    list of content blocks, `{"text": ...}` (Strands, Bedrock) or `{"type": "text", ...}` parts."""
+    value = _json_value(value)
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, Mapping):
+        value = [value]
+    if isinstance(value, list):
+        texts = []
+        for block in value:
+            if isinstance(block, str):
+                texts.append(block)
+            elif isinstance(block, Mapping):
+                text = block.get("text", block.get("content") if block.get("type") == "text" else None)
+                if isinstance(text, str):
+                    texts.append(text)
+        return "\n".join(texts) if texts else None
+    return str(value)
 
 
 def _openinference_value(attrs: Mapping[str, Any], which: str) -> Any:

@@ -31,7 +31,13 @@ from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from tracejudge.schemas import errors
-from tracejudge.schemas.conventions import STATUS_ERROR, STATUS_OK, STATUS_UNSET, span_from_otel
+from tracejudge.schemas.conventions import (
+    CONTENT_EVENTS,
+    STATUS_ERROR,
+    STATUS_OK,
+    STATUS_UNSET,
+    span_from_otel,
+)
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.trace import Span, SpanStatus, Trace
 
@@ -42,8 +48,9 @@ FORMATS: Final = (FORMAT_PROTO, FORMAT_JSON)
 _ZERO_TRACE: Final = b"\x00" * 16
 _ZERO_SPAN: Final = b"\x00" * 8
 _HEX: Final = frozenset("0123456789abcdefABCDEF")
-# Only these events are read (exceptions, vector-DB hits); other events' attributes are never decoded.
-_READ_EVENTS: Final = frozenset({"exception", "db.query.result"})
+# Only these events are read (exceptions, vector-DB hits, message content); other events' attributes
+# are never decoded.
+_READ_EVENTS: Final = frozenset({"exception", "db.query.result", *CONTENT_EVENTS})
 # Span.flags: "has is-remote" (0x100) and "parent is remote" (0x200) both set.
 _REMOTE_PARENT: Final = 0x300
 # Set on a span whose parent lives in another process: a service's entry span. When a trace's real
