@@ -48,6 +48,8 @@ _GENAI_OPERATIONS: Final = {
     "chat": SpanKind.CHAT_MODEL, "text_completion": SpanKind.LLM, "generate_content": SpanKind.LLM,
     "embeddings": SpanKind.EMBEDDING, "retrieval": SpanKind.RETRIEVER, "execute_tool": SpanKind.TOOL,
     "invoke_agent": SpanKind.AGENT, "create_agent": SpanKind.AGENT, "invoke_workflow": SpanKind.CHAIN,
+    # OpenLLMetry >= 0.5x names its LangChain spans' operations so.
+    "vector_db_retrieve": SpanKind.RETRIEVER, "execute_task": SpanKind.CHAIN,
 }
 _TRACELOOP_KINDS: Final = {
     "workflow": SpanKind.CHAIN, "task": SpanKind.CHAIN, "agent": SpanKind.AGENT, "tool": SpanKind.TOOL,
@@ -70,7 +72,8 @@ _PAYLOAD_KEYS: Final = frozenset({
     "mlflow.spanInputs", "mlflow.spanOutputs", "input.value", "output.value", "gen_ai.input.messages",
     "gen_ai.output.messages", "gen_ai.system_instructions", "traceloop.entity.input",
     "traceloop.entity.output", "gen_ai.tool.call.arguments", "gen_ai.tool.call.result",
-    "gen_ai.retrieval.documents",
+    "gen_ai.retrieval.documents", "pydantic_ai.all_messages", "final_result", "tool_arguments",
+    "tool_response",
 })
 _PAYLOAD_PREFIXES: Final = ("llm.input_messages.", "llm.output_messages.", "gen_ai.prompt.",
                             "gen_ai.completion.", "retrieval.documents.")
@@ -153,7 +156,10 @@ def _kind(attrs: Mapping[str, Any]) -> SpanKind:
         return _OPENINFERENCE_KINDS.get(str(value).upper(), SpanKind.UNKNOWN)
     value = attrs.get("gen_ai.operation.name")
     if value is not None:
-        return _GENAI_OPERATIONS.get(str(value), SpanKind.UNKNOWN)
+        kind = _GENAI_OPERATIONS.get(str(value))
+        # An operation this table does not name: a Traceloop kind on the same span may tell.
+        if kind is not None or "traceloop.span.kind" not in attrs:
+            return kind or SpanKind.UNKNOWN
     value = attrs.get("traceloop.span.kind")
     if value is not None:
         return _TRACELOOP_KINDS.get(str(value), SpanKind.UNKNOWN)
@@ -172,6 +178,8 @@ def _inputs(attrs: dict[str, Any], flat: dict[str, Any], kind: SpanKind) -> Any:
         if "gen_ai.tool.call.arguments" in attrs:
             # "SHOULD do the best effort to deserialize it to an object" (GenAI spec).
             return _strict_json(attrs["gen_ai.tool.call.arguments"])
+        if "tool_arguments" in attrs:  # Pydantic AI's instrumentation before its version 3
+            return _strict_json(attrs["tool_arguments"])
         if "input.value" in attrs:
             return _openinference_value(attrs, "input")
         if "traceloop.entity.input" in attrs:
@@ -186,6 +194,9 @@ def _inputs(attrs: dict[str, Any], flat: dict[str, Any], kind: SpanKind) -> Any:
         return _openinference_value(attrs, "input")
     if "traceloop.entity.input" in attrs:
         return _unwrap_call(_strict_json(attrs["traceloop.entity.input"]))
+    if "pydantic_ai.all_messages" in attrs:
+        # Pydantic AI's agent run: the run's whole message history, GenAI-shaped.
+        return {"messages": [_genai_message(m) for m in _json_list(attrs["pydantic_ai.all_messages"])]}
     if "gen_ai.retrieval.query.text" in attrs:
         return attrs["gen_ai.retrieval.query.text"]
     return None
@@ -194,6 +205,10 @@ def _inputs(attrs: dict[str, Any], flat: dict[str, Any], kind: SpanKind) -> Any:
 def _outputs(attrs: dict[str, Any], flat: dict[str, Any], kind: SpanKind) -> Any:
     if kind is SpanKind.TOOL and "gen_ai.tool.call.result" in attrs:
         return _strict_json(attrs["gen_ai.tool.call.result"])
+    if kind is SpanKind.TOOL and "tool_response" in attrs:
+        return _json_value(attrs["tool_response"])
+    if "final_result" in attrs:  # Pydantic AI's agent run: the run's output
+        return _json_value(attrs["final_result"])
     choices = _chat_response(attrs, flat)
     if choices is not None and (_has_content([c["message"] for c in choices]) or "output.value" not in attrs):
         return {"choices": choices}
@@ -368,12 +383,16 @@ def _genai_message(message: Any) -> dict[str, Any]:
              for p in parts if isinstance(p, Mapping) and p.get("type") == "tool_call"]
     if calls:
         out["tool_calls"] = calls
-    for p in parts:
-        if isinstance(p, Mapping) and p.get("type") == "tool_call_response":
-            out["tool_call_id"] = p.get("id")
-            if out["content"] is None:
-                # The schema names it `response`; the registry's own example says `result`.
-                out["content"] = _json_text(p.get("response", p.get("result")))
+    responses = [p for p in parts if isinstance(p, Mapping) and p.get("type") == "tool_call_response"]
+    if responses and len(responses) == len(parts):
+        # Tool results sent back as a "user" message (Pydantic AI before its data version 6) are
+        # not the user's words.
+        out["role"] = "tool"
+    for p in responses:
+        out["tool_call_id"] = p.get("id")
+        if out["content"] is None:
+            # The schema names it `response`; the registry's own example says `result`.
+            out["content"] = _json_text(p.get("response", p.get("result")))
     if message.get("name") is not None:
         out["name"] = message["name"]
     return out
@@ -458,6 +477,13 @@ def _documents(attrs: dict[str, Any], flat: dict[str, Any],
                 content = next((d[k] for k in ("content", "text", "page_content") if k in d), None)
                 docs.append(_document(content, d.get("metadata")))
         return docs
+    # Traceloop's LangChain retriever: `{"documents": [<LangChain Document>, ...]}` as its output.
+    if "traceloop.entity.output" in attrs:
+        output = _unwrap_call(_strict_json(attrs["traceloop.entity.output"]))
+        if isinstance(output, Mapping):
+            output = output.get("documents")
+        if isinstance(output, list) and all(isinstance(d, Mapping) for d in output):
+            return [_document(d.get("page_content", d.get("content")), d.get("metadata")) for d in output]
     # Traceloop's vector-DB instrumentations: one `db.query.result` event per hit.
     hits = [e for n, e in events if n == "db.query.result"]
     if hits:

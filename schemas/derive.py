@@ -14,6 +14,7 @@ A field that cannot be derived is None, never guessed.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from operator import attrgetter
 from typing import Any
@@ -543,10 +544,11 @@ def _request(root: Span | None, below: _Below | None) -> str | None:
         text = _question(app.inputs, 0)
         if text is not None:
             return text
-    # The app span holds no question: the first model call's last user message.
-    for call in below.model_calls[:1]:
+    # The app span holds no question: the first model call's last user message (a framework's
+    # helper marked as a model call, LlamaIndex's `_prepare_chat_with_tools`, may state none).
+    for call in below.model_calls:
         text = _question(call.inputs, 0) if call.inputs is not None else None
-        if text is not None:
+        if text is not None and not _is_repr(text):
             return text
     return request_text(app.inputs) if app is not None else None
 
@@ -557,7 +559,7 @@ def _response(root: Span | None, below: _Below | None, failed: bool | None) -> s
     app = below.app
     if app is not None and app.outputs is not None:
         text = _answer(app.outputs, 0)
-        if text is not None:
+        if text is not None and not _is_repr(text):
             return text
     if not failed and below.model_calls:
         # The app span holds no answer: the assistant text of the model call that ended last.
@@ -566,6 +568,15 @@ def _response(root: Span | None, below: _Below | None, failed: bool | None) -> s
         if text is not None:
             return text
     return response_text(app.outputs) if app is not None else None
+
+
+# A Python object's repr, which instrumentors write when a framework returns an object they cannot
+# serialize (LlamaIndex's `StopEvent(result=AgentOutput(...))`): no judge should read it as text.
+_REPR = re.compile(r"[A-Z][A-Za-z0-9_]*\((?:[a-z_][a-z0-9_]*=|\))")
+
+
+def _is_repr(text: str) -> bool:
+    return _REPR.match(text) is not None
 
 
 def _end(span: Span) -> int:
