@@ -45,7 +45,7 @@ from tracejudge.metrics.assembly_metrics import (
     REASON_TIMEOUT,
     AssemblyMetrics,
 )
-from tracejudge.schemas import otlp
+from tracejudge.schemas import otlp, otlp_logs
 from tracejudge.schemas.derive import derive
 from tracejudge.schemas.otlp import REMOTE_PARENT_KEY, SpanGroup
 from tracejudge.schemas.record import EvalRecord
@@ -108,13 +108,15 @@ class AssembledTrace:
 
 
 class _OpenTrace:
-    __slots__ = ("app", "first_at", "has_root", "last_at", "service", "source_format", "spans", "tickets",
-                 "trace_id")
+    __slots__ = ("app", "events", "first_at", "has_root", "last_at", "service", "source_format", "spans",
+                 "tickets", "trace_id")
 
     def __init__(self, trace_id: str, source_format: str, now: float) -> None:
         self.trace_id = trace_id
         self.source_format = source_format
         self.spans: list[Span] = []
+        # Content log records (`otlp_logs.SpanEvent`) for this trace's spans, from a logs topic.
+        self.events: list[Any] = []
         self.tickets: list[Ticket] = []
         self.has_root = False
         self.app: str | None = None  # service.name of the root span's resource
@@ -148,24 +150,30 @@ class TraceAssembler:
     def spans_held(self) -> int:
         return self._held
 
-    def add(self, groups: Iterable[SpanGroup], *, source_format: str, ticket: Ticket | None = None,
-            ) -> list[AssembledTrace]:
-        """Add one record's span groups. Returns the traces a cap forced out (export them too)."""
+    def add(self, groups: Iterable[SpanGroup | otlp_logs.EventGroup], *, source_format: str,
+            ticket: Ticket | None = None) -> list[AssembledTrace]:
+        """Add one record's span groups (or, from a logs topic, its content events: they count
+        toward the caps like spans). Returns the traces a cap forced out (export them too)."""
         now = self._clock()
         settings = self.settings
         touched: set[str] = set()
         received = late = 0
         for group in groups:
-            trace_id, spans = group.trace_id, group.spans
+            trace_id = group.trace_id
+            spans: list[Span] = getattr(group, "spans", [])
+            events = getattr(group, "events", None)
+            items = len(spans) if events is None else len(events)
             received += len(spans)
             entry = self._open.get(trace_id)
             if entry is None:
                 if trace_id in self._emitted:
-                    late += len(spans)
+                    late += items
                     continue
                 entry = self._open[trace_id] = _OpenTrace(trace_id, source_format, now)
+            if events is not None:
+                entry.events.extend(events)
             entry.spans.extend(spans)
-            self._held += len(spans)
+            self._held += items
             entry.last_at = now
             if entry.service is None:
                 entry.service = group.service
@@ -256,13 +264,13 @@ class TraceAssembler:
         trace_id = entry.trace_id
         del self._open[trace_id]
         self._quiet.pop(trace_id, None)
-        self._held -= len(entry.spans)
+        self._held -= len(entry.spans) + len(entry.events)
         self._emitted[trace_id] = None
         if len(self._emitted) > self.settings.remember_emitted:
             del self._emitted[next(iter(self._emitted))]
         trace = otlp.build_trace(trace_id, entry.spans, source_format=entry.source_format,
                                  app=entry.app if entry.has_root else entry.service, complete=complete,
-                                 app_tag=self.app_tag)
+                                 app_tag=self.app_tag, events=entry.events)
         if self._metrics is not None:
             self._metrics.emitted.labels(reason).inc()
         return AssembledTrace(trace, reason, entry.tickets)
@@ -318,7 +326,13 @@ class OtlpLineAssembler:
         self._assembler = TraceAssembler(settings, clock=lambda: 0.0, metrics=metrics, app_tag=app_tag)
 
     def feed(self, payload: bytes | str | dict[str, Any], line: int) -> list[FileTrace]:
-        groups = otlp.decode_json(payload)  # RecordError: the caller names the file and line
+        """One line: an OTLP/JSON trace request, or a logs request whose content events belong to
+        the spans of the same file (`resourceLogs`)."""
+        # RecordError: the caller names the file and line.
+        if otlp.looks_like_otlp_logs_json(payload):
+            groups: list[Any] = otlp_logs.decode_json(payload)
+        else:
+            groups = otlp.decode_json(payload)
         return self._out(self._assembler.add(groups, source_format=otlp.FORMAT_JSON,
                                              ticket=_LineTicket(line)))
 

@@ -55,7 +55,9 @@ __all__ = [
 
 ENV_PREFIX = "TRACEJUDGE_"
 ENV_NESTING = "__"
-FORMATS = ("auto", "agent_eval", "mlflow", "inference_log", "otlp_proto", "otlp_json")
+# otlp_logs_*: the Collector's logs topic, whose GenAI content events join their spans in assembly.
+FORMATS = ("auto", "agent_eval", "mlflow", "inference_log", "otlp_proto", "otlp_json", "otlp_logs_proto",
+           "otlp_logs_json")
 _TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 _SECRET_HINTS = ("password", "secret", "token")
 
@@ -95,7 +97,8 @@ class TopicSpec(Section):
     """A topic to consume and the format of its records (`auto` detects per record)."""
 
     name: str
-    format: Literal["auto", "agent_eval", "mlflow", "inference_log", "otlp_proto", "otlp_json"] = "auto"
+    format: Literal["auto", "agent_eval", "mlflow", "inference_log", "otlp_proto", "otlp_json",
+                    "otlp_logs_proto", "otlp_logs_json"] = "auto"
 
     @model_validator(mode="before")
     @classmethod

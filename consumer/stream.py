@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 import msgspec
 from kafka import AsyncConsumerRebalanceListener, KafkaConsumer, KafkaProducer
+from kafka.errors import KafkaTimeoutError
 from kafka.structs import TopicPartition
 
 from tracejudge.consumer import gc_policy
@@ -52,12 +53,13 @@ from tracejudge.consumer.decode_workers import (
     decode_one,
 )
 from tracejudge.consumer.http_server import OperationsServer
+from tracejudge.consumer.log_setup import KAFKA_CONNECTION_LOGS, configure_library_logs
 from tracejudge.consumer.offsets import OffsetTracker, Releasable, Ticket
 from tracejudge.consumer.pipeline import Pipeline, build_judges, build_pipeline
 from tracejudge.consumer.sinks import PROCESSING_ERROR, DeadLetterSink, Publisher, ResultSink
 from tracejudge.metrics.computed import RATIO_METRICS
 from tracejudge.metrics.prometheus import PrometheusExporter
-from tracejudge.schemas import errors, otlp
+from tracejudge.schemas import errors, otlp, otlp_logs
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.record import EvalRecord
 from tracejudge.schemas.result import Assessment, EvaluationResult, SourceRef
@@ -65,6 +67,8 @@ from tracejudge.schemas.result import Assessment, EvaluationResult, SourceRef
 __all__ = ["Emit", "FormatHandler", "RecordProcessor", "StartupError", "StreamRunner", "add_arguments",
            "main"]
 
+# Topic formats that go through trace assembly: OTLP spans, and OTLP logs carrying their content.
+_ASSEMBLED = (*otlp.FORMATS, *otlp_logs.FORMATS)
 log = logging.getLogger("tracejudge.run")
 
 # Evaluate, export and publish one record; takes over one reference of the ticket.
@@ -193,6 +197,14 @@ class RecordProcessor:
                 handed_off = True
                 # The assembler takes one reference per trace the record feeds; ours goes now.
                 forced = self.assembler.add(groups, source_format=used, ticket=ticket)
+                self.exporter.count_ok(record.topic)
+                ticket.release()
+                for trace in forced:
+                    self.emit_assembled(trace)
+            elif fmt in otlp_logs.FORMATS and self.assembler is not None:
+                events = otlp_logs.decode(value, fmt)
+                handed_off = True
+                forced = self.assembler.add(events, source_format=otlp_logs.ENCODING[fmt], ticket=ticket)
                 self.exporter.count_ok(record.topic)
                 ticket.release()
                 for trace in forced:
@@ -468,6 +480,8 @@ class StreamRunner:
         self._paused_since: float | None = None
         self._closing = False
         self._last_loop: float | None = None
+        # Since when the broker has not answered, once that has been reported (`_watch_broker`).
+        self._broker_lost_since: float | None = None
         self._thread: threading.Thread | None = None
         self._external_stop: threading.Event | None = None
 
@@ -545,7 +559,7 @@ class StreamRunner:
                 log.warning("stream.decode_workers is ignored: the runner was given its own Pipeline")
             return 0, "the runner was given its own Pipeline"
         # OTLP topics go through trace assembly and custom handlers run here: neither uses workers.
-        if not any(t.format not in otlp.FORMATS and t.format not in self.handlers
+        if not any(t.format not in _ASSEMBLED and t.format not in self.handlers
                    for t in self.settings.stream.topics):
             if not auto and wanted:
                 log.warning("stream.decode_workers is ignored: every topic is OTLP spans or has its own "
@@ -581,25 +595,26 @@ class StreamRunner:
         s = self.settings
         servers = ",".join(s.kafka.bootstrap_servers)
         publisher = None
+        started = time.monotonic()
         if s.stream.results_topic or s.stream.dead_letter_topic:
             try:
                 self._producer = KafkaProducer(**s.kafka.client_config(), **s.producer.producer_config())
             except Exception as exc:
-                raise StartupError(f"cannot create the producer for {servers} (kafka.bootstrap_servers): "
-                                   f"{type(exc).__name__}: {exc}") from exc
+                raise StartupError(_cannot_connect("create the producer", servers,
+                                                   s.kafka.bootstrap_timeout_ms, exc, started)) from exc
             publisher = self._publisher = Publisher(self._producer,
                                                     retry_backoff=s.producer.retry_backoff_seconds)
         try:
             self._consumer = KafkaConsumer(**s.kafka.consumer_config())
         except Exception as exc:
-            raise StartupError(f"cannot connect to Kafka at {servers} (kafka.bootstrap_servers): "
-                               f"{type(exc).__name__}: {exc}") from exc
+            raise StartupError(_cannot_connect("create the consumer", servers,
+                                               s.kafka.bootstrap_timeout_ms, exc, started)) from exc
         dead_letters = DeadLetterSink(publisher, s.stream.dead_letter_topic, self.exporter,
                                       max_request_size=s.producer.max_request_size)
         results = ResultSink(publisher, s.stream.results_topic, self.exporter, dead_letters)
         formats = {t.name: t.format for t in s.stream.topics}
         assembler = None
-        if any(f in otlp.FORMATS for f in formats.values()):
+        if any(f in _ASSEMBLED for f in formats.values()):
             from tracejudge.consumer.assembly import TraceAssembler
             from tracejudge.metrics.assembly_metrics import AssemblyMetrics
 
@@ -650,6 +665,7 @@ class StreamRunner:
                 next_commit = now + commit_every
             if now >= next_lag:
                 self._update_lag(consumer)
+                self._watch_broker(consumer, now)
                 next_lag = now + lag_every
 
     def _backpressure(self, consumer: KafkaConsumer, *, paused: bool, now: float) -> None:
@@ -688,6 +704,27 @@ class StreamRunner:
         self.exporter.commits.inc()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("committed %s", {f"{tp.topic}[{tp.partition}]": o.offset for tp, o in offsets.items()})
+
+    def _watch_broker(self, consumer: KafkaConsumer, now: float) -> None:
+        """One line when the group coordinator has not answered a heartbeat for longer than the session
+        timeout (kafka-python retries meanwhile; its own lines about it are at DEBUG, see
+        `consumer/log_setup.py`), and one when it answers again."""
+        age = _heartbeat_age(consumer)
+        if age is None:
+            return
+        limit = self.settings.kafka.session_timeout_ms / 1000
+        servers = ",".join(self.settings.kafka.bootstrap_servers)
+        if self._broker_lost_since is None:
+            if age > limit and not self._stop.is_set():
+                self._broker_lost_since = now - age
+                cause = KAFKA_CONNECTION_LOGS.last_error(since=now - age)
+                log.warning("Kafka at %s (kafka.bootstrap_servers) has not answered for %.0f s (more than "
+                            "kafka.session_timeout_ms)%s; retrying until it answers, consuming and "
+                            "committing nothing meanwhile (kafka-python's detail with --log-level DEBUG)",
+                            servers, age, f"; last error: {cause}" if cause else "")
+        elif age <= limit:
+            log.info("Kafka at %s answers again, after %.0f s", servers, now - self._broker_lost_since)
+            self._broker_lost_since = None
 
     def _update_lag(self, consumer: KafkaConsumer) -> None:
         for tp in consumer.assignment():
@@ -870,6 +907,18 @@ async def _io_sleep(consumer: KafkaConsumer, seconds: float) -> None:
         time.sleep(seconds)
 
 
+def _cannot_connect(what: str, servers: str, timeout_ms: int, exc: BaseException, started: float) -> str:
+    """The one line that says why `tracejudge run` could not start on Kafka."""
+    if isinstance(exc, KafkaTimeoutError):  # no bootstrap server answered in time
+        cause = KAFKA_CONNECTION_LOGS.last_error(since=started)
+        return (f"cannot reach Kafka at {servers} (kafka.bootstrap_servers): no broker answered within "
+                f"{timeout_ms / 1000:g} s (kafka.bootstrap_timeout_ms)"
+                + (f"; last error: {cause}" if cause else ""))
+    text, name = str(exc), type(exc).__name__
+    return f"cannot {what} for Kafka at {servers} (kafka.bootstrap_servers): " + (
+        text if text.startswith(name) else f"{name}: {text}")
+
+
 def _heartbeat_age(consumer: KafkaConsumer) -> float | None:
     """Seconds since the group coordinator last answered a heartbeat, when kafka-python exposes it."""
     heartbeat = getattr(getattr(consumer, "_coordinator", None), "heartbeat", None)
@@ -905,7 +954,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Kafka brokers (kafka.bootstrap_servers)")
     parser.add_argument("--topic", action="append", dest="topics", metavar="NAME[:FORMAT]",
                         help="topic to consume, repeatable; FORMAT is auto (default), agent_eval, mlflow, "
-                             "inference_log, otlp_proto or otlp_json (stream.topics)")
+                             "inference_log, otlp_proto, otlp_json, otlp_logs_proto or otlp_logs_json "
+                             "(stream.topics)")
     parser.add_argument("--group-id", help="consumer group (kafka.group_id)")
     parser.add_argument("--results-topic",
                         help="publish one JSON result per record here (stream.results_topic)")
@@ -953,9 +1003,8 @@ def configure_logging(settings: LoggingSettings) -> None:
         for handler in root.handlers:
             handler.setFormatter(_JsonFormatter())
     root.setLevel(settings.level)
-    # kafka-python narrates every connection and join at INFO; our own lines say what matters.
-    if settings.level != "DEBUG":
-        logging.getLogger("kafka").setLevel(logging.WARNING)
+    # httpx's line per judge call, kafka-python's narration and its connection failures: DEBUG only.
+    configure_library_logs(settings.level)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -990,7 +1039,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         runner.run()
     except StartupError as exc:
-        log.error("%s", exc)
+        log.error("%s; exiting with status 1", exc)
         return 1
     return 0
 

@@ -136,7 +136,7 @@ def _read_convention(span: Span, attrs: dict[str, Any], flat: dict[str, Any],
         span.inputs = _inputs(attrs, flat, kind)
         span.outputs = _outputs(attrs, flat, kind)
         if events and (span.inputs is None or span.outputs is None):
-            _read_content_events(span, events)
+            read_content_events(span, events)
     span.token_usage = _token_usage(attrs)
     if kind is SpanKind.RETRIEVER or kind is SpanKind.RERANKER:
         span.documents = _documents(attrs, flat, events)
@@ -241,8 +241,9 @@ CONTENT_EVENTS: Final = frozenset({*_MESSAGE_EVENT_ROLES, _CHOICE_EVENT, _DETAIL
                                    _COMPLETION_EVENT})
 
 
-def _read_content_events(span: Span, events: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
-    """Fill a span's missing inputs/outputs from the content events on it, in the chat shapes."""
+def read_content_events(span: Span, events: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
+    """Fill a span's missing inputs/outputs from the content events on it, in the chat shapes:
+    span events, and log records placed on the span by trace assembly (`schemas/otlp_logs.py`)."""
     messages: list[dict[str, Any]] = []
     choices: list[dict[str, Any]] = []
     for name, attrs in events:

@@ -14,6 +14,7 @@ A field that cannot be derived is None, never guessed.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterable, Mapping
 from operator import attrgetter
@@ -579,6 +580,42 @@ def _is_repr(text: str) -> bool:
     return _REPR.match(text) is not None
 
 
+def requested_tool_calls(spans: list[Span]) -> list[ToolCall]:
+    """The tool calls the model calls asked for, in order: an app that runs its tools without
+    spans (a hand-written loop on a model SDK's instrumentation) states them only there. Only
+    outermost model calls are read, so a framework's model span and the SDK span inside it count
+    once."""
+    calls = [s for s in spans if s.kind.is_model_call and s.outputs is not None]
+    if not calls:
+        return []
+    by_id = {s.span_id: s for s in spans}
+    out: list[ToolCall] = []
+    for span in sorted(calls, key=_start):
+        parent, hops = by_id.get(span.parent_id) if span.parent_id else None, 0
+        while parent is not None and hops <= len(spans) and not parent.kind.is_model_call:
+            parent, hops = by_id.get(parent.parent_id) if parent.parent_id else None, hops + 1
+        if parent is not None and parent.kind.is_model_call:
+            continue
+        choices = span.outputs.get("choices") if isinstance(span.outputs, dict) else None
+        message = choices[0].get("message") if isinstance(choices, list) and choices and \
+            isinstance(choices[0], dict) else None
+        for call in (message.get("tool_calls") or []) if isinstance(message, dict) else []:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("name"), str):
+                arguments = function.get("arguments")
+                if isinstance(arguments, str):
+                    with contextlib.suppress(orjson.JSONDecodeError):
+                        arguments = orjson.loads(arguments)
+                out.append(ToolCall(function["name"], arguments or None))
+    return out
+
+
+def _stripped(text: str | None) -> str | None:
+    """Instrumentors pad text their framework printed (Strands' `str(result)` ends in a newline):
+    the white space around a request or answer means nothing to a judge."""
+    return text.strip() if text is not None else None
+
+
 def _end(span: Span) -> int:
     return span.end_ns if span.end_ns is not None else span.start_ns
 
@@ -600,6 +637,8 @@ def derive(trace: Trace) -> EvalRecord:
     if len(tools) > 1:
         tools.sort(key=_start)
     trajectory = [ToolCall(s.tool_name or s.name, s.inputs or None) for s in tools]
+    if not tools and trace.source_format in _OTLP_FORMATS:
+        trajectory = requested_tool_calls(spans)
 
     tokens = trace.token_usage.with_total() if trace.token_usage is not None else sum_token_usage(spans)
     return derived_record(trace, root_span(spans), retrieved, trajectory, tokens, spans)
@@ -638,8 +677,9 @@ def derived_record(trace: Trace, root: Span | None, retrieved: list[Document] | 
         trace_id=trace.trace_id,
         app=trace.app,
         source_format=trace.source_format,
-        request=_request(root, below),
-        response=_response(root, below, failed),
+        request=_request(root, below) if below is None else _stripped(_request(root, below)),
+        response=(_response(root, below, failed) if below is None
+                  else _stripped(_response(root, below, failed))),
         retrieved_context=retrieved,
         trajectory=trajectory,
         latency_seconds=latency,

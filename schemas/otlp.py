@@ -36,6 +36,7 @@ from tracejudge.schemas.conventions import (
     STATUS_ERROR,
     STATUS_OK,
     STATUS_UNSET,
+    read_content_events,
     span_from_otel,
 )
 from tracejudge.schemas.errors import RecordError
@@ -82,14 +83,23 @@ def detect_format(payload: bytes | str) -> str:
     return FORMAT_JSON if payload[:64].lstrip(b" \t\r")[:1] == b"{" else FORMAT_PROTO
 
 
-_OTLP_JSON_HEAD: Final = re.compile(rb'\s*\{\s*"resource_?[sS]pans"')
+_OTLP_JSON_HEAD: Final = re.compile(rb'\s*\{\s*"resource_?(?:[sS]pans|[lL]ogs)"')
+_OTLP_LOGS_JSON_HEAD: Final = re.compile(rb'\s*\{\s*"resource_?[lL]ogs"')
 
 
 def looks_like_otlp_json(line: bytes | str) -> bool:
     """Cheap sniff, no parsing: a JSON object whose first key is `resourceSpans` (how every OTLP/JSON
-    writer starts). For routing lines of a mixed file to trace assembly."""
+    writer starts), or `resourceLogs` (content log records for those spans). For routing lines of a
+    mixed file to trace assembly."""
     head = line[:200].encode() if isinstance(line, str) else line[:200]
     return _OTLP_JSON_HEAD.match(head) is not None
+
+
+def looks_like_otlp_logs_json(line: bytes | str | Mapping[str, Any]) -> bool:
+    if isinstance(line, Mapping):
+        return "resourceLogs" in line or "resource_logs" in line
+    head = line[:200].encode() if isinstance(line, str) else line[:200]
+    return _OTLP_LOGS_JSON_HEAD.match(head) is not None
 
 
 def is_otlp_json(obj: Any) -> bool:
@@ -408,13 +418,24 @@ _TAG_PREFIX: Final = "mlflow.traceTag."
 
 
 def build_trace(trace_id: str, spans: Sequence[Span], *, source_format: str, app: str | None = None,
-                complete: bool = True, app_tag: str | None = None) -> Trace:
+                complete: bool = True, app_tag: str | None = None,
+                events: Sequence[Any] = ()) -> Trace:
     """The assembled `Trace` of one trace's spans (in any order; duplicates by span id dropped).
+
+    `events` are the trace's content log records (`otlp_logs.SpanEvent`s): each is read onto the
+    span it names, in arrival order; one naming no span of the trace is dropped.
 
     `app` is the service.name of the root span's resource; `app_tag` (`stream.app_tag`) names a trace
     tag (`mlflow.traceTag.<name>`) or root span attribute whose string value is the app instead.
     """
     unique = {s.span_id: s for s in spans}
+    if events:
+        by_span: dict[str, list[tuple[str, Mapping[str, Any]]]] = {}
+        for event in events:
+            if event.span_id in unique:
+                by_span.setdefault(event.span_id, []).append((event.name, event.attributes))
+        for span_id, span_events in by_span.items():
+            read_content_events(unique[span_id], span_events)
     ordered = sorted(unique.values(), key=lambda s: s.start_ns)
     root = next((s for s in ordered if s.parent_id is None), None)
     if root is None:
