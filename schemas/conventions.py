@@ -144,7 +144,9 @@ def _read_convention(span: Span, attrs: dict[str, Any], flat: dict[str, Any],
         tool = attrs.get("gen_ai.tool.name") or attrs.get("tool.name")
         if tool is None and "traceloop.span.kind" in attrs:
             tool = attrs.get("traceloop.entity.name")
-        span.tool_name = str(tool) if tool is not None else span.name
+        name = str(tool) if tool is not None else span.name
+        # OpenInference's DSPy instrumentation names a tool span after the call: `weather.__call__`.
+        span.tool_name = name.removesuffix(".__call__") or name
 
 
 def _kind(attrs: Mapping[str, Any]) -> SpanKind:

@@ -45,7 +45,9 @@ _TOOL, _RETRIEVER, _ERROR = SpanKind.TOOL, SpanKind.RETRIEVER, SpanStatus.ERROR
 _start = attrgetter("start_ns")
 
 # Keys under which an app's input dict carries the user's question, in order of preference.
-QUESTION_KEYS = ("query", "question", "input", "prompt", "request", "message", "user_input", "inputs")
+# `input_args`: OpenInference's DSPy instrumentation wraps a module's named arguments in it.
+QUESTION_KEYS = ("query", "question", "input", "prompt", "request", "message", "user_input", "inputs",
+                 "input_args")
 # Keys under which an output dict carries the answer.
 ANSWER_KEYS = ("content", "output", "answer", "response", "text", "result")
 # Document text keys, in MLflow's order (`_RETRIEVER_DOCUMENT_CONTENT_KEYS`).
@@ -580,6 +582,13 @@ def _is_repr(text: str) -> bool:
     return _REPR.match(text) is not None
 
 
+def _is_dspy_finish(span: Span) -> bool:
+    """DSPy ReAct's built-in `finish` step, which its instrumentation traces as a tool call: the
+    agent deciding it is done, not a tool it ran."""
+    return (span.tool_name == "finish" and span.outputs in ("Completed.", '"Completed."')
+            and span.inputs in (None, {}, {"kwargs": {}}))
+
+
 def requested_tool_calls(spans: list[Span]) -> list[ToolCall]:
     """The tool calls the model calls asked for, in order: an app that runs its tools without
     spans (a hand-written loop on a model SDK's instrumentation) states them only there. Only
@@ -637,8 +646,11 @@ def derive(trace: Trace) -> EvalRecord:
     if len(tools) > 1:
         tools.sort(key=_start)
     trajectory = [ToolCall(s.tool_name or s.name, s.inputs or None) for s in tools]
-    if not tools and trace.source_format in _OTLP_FORMATS:
-        trajectory = requested_tool_calls(spans)
+    if trace.source_format in _OTLP_FORMATS:
+        if not tools:
+            trajectory = requested_tool_calls(spans)
+        elif any(s.tool_name == "finish" for s in tools):
+            trajectory = [c for c, s in zip(trajectory, tools, strict=True) if not _is_dspy_finish(s)]
 
     tokens = trace.token_usage.with_total() if trace.token_usage is not None else sum_token_usage(spans)
     return derived_record(trace, root_span(spans), retrieved, trajectory, tokens, spans)
