@@ -71,7 +71,6 @@ def run(h) -> None:
     from google.adk.agents import LlmAgent
     from google.adk.models.lite_llm import LiteLlm
     from google.adk.runners import InMemoryRunner
-
     from support.openai_stub import Reply
 
     model = LiteLlm(model="openai/gpt-4o-mini", api_base=h.base_url, api_key="sk-test-not-a-real-key",

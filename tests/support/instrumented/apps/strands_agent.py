@@ -55,7 +55,6 @@ def _tools():
 def run(h) -> None:
     from strands import Agent
     from strands.models.openai import OpenAIModel
-
     from support.openai_stub import Reply
 
     model = OpenAIModel(
