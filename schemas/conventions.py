@@ -178,12 +178,13 @@ def _kind(attrs: Mapping[str, Any]) -> SpanKind:
 def _inputs(attrs: dict[str, Any], flat: dict[str, Any], kind: SpanKind) -> Any:
     if kind is SpanKind.TOOL:
         if "gen_ai.tool.call.arguments" in attrs:
-            # "SHOULD do the best effort to deserialize it to an object" (GenAI spec).
-            return _strict_json(attrs["gen_ai.tool.call.arguments"])
+            # "SHOULD do the best effort to deserialize it to an object" (GenAI spec). OpenLLMetry's
+            # LangChain tools write the callback's wrapper there too: unwrapped.
+            return _unwrap_call(_strict_json(attrs["gen_ai.tool.call.arguments"]))
         if "tool_arguments" in attrs:  # Pydantic AI's instrumentation before its version 3
             return _strict_json(attrs["tool_arguments"])
         if "input.value" in attrs:
-            return _openinference_value(attrs, "input")
+            return _unwrap_call(_openinference_value(attrs, "input"))
         if "traceloop.entity.input" in attrs:
             return _unwrap_call(_strict_json(attrs["traceloop.entity.input"]))
         # OpenInference's tool.parameters is the call's arguments in some instrumentations and the
@@ -246,6 +247,14 @@ CONTENT_EVENTS: Final = frozenset({*_MESSAGE_EVENT_ROLES, _CHOICE_EVENT, _DETAIL
 def read_content_events(span: Span, events: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
     """Fill a span's missing inputs/outputs from the content events on it, in the chat shapes:
     span events, and log records placed on the span by trace assembly (`schemas/otlp_logs.py`)."""
+    if span.kind is SpanKind.TOOL:
+        # Strands Agents' tool span: the call's arguments as a tool message, its result as a choice.
+        for name, attrs in events:
+            if name == "gen_ai.tool.message" and span.inputs is None:
+                span.inputs = _json_value(attrs.get("content"))
+            elif name == _CHOICE_EVENT and span.outputs is None:
+                span.outputs = _content_text(attrs.get("message"))
+        return
     messages: list[dict[str, Any]] = []
     choices: list[dict[str, Any]] = []
     for name, attrs in events:
@@ -444,7 +453,7 @@ def _traceloop_message(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 # Traceloop's LangChain instrumentation wraps a run's inputs and outputs with the callback's extras.
-_TRACELOOP_INPUT_EXTRAS: Final = frozenset({"tags", "metadata", "kwargs"})
+_TRACELOOP_INPUT_EXTRAS: Final = frozenset({"tags", "metadata", "kwargs", "input_str"})
 
 
 def _unwrap_call(value: Any) -> Any:
@@ -456,6 +465,9 @@ def _unwrap_call(value: Any) -> Any:
         for key in ("inputs", "outputs"):
             if key in value and set(value) - {key} <= _TRACELOOP_INPUT_EXTRAS:
                 return value[key]
+    if isinstance(value, dict) and len(value) == 1 and isinstance(value.get("kwargs"), dict):
+        # OpenInference's LlamaIndex and DSPy tools: the call's keyword arguments.
+        return value["kwargs"]
     if isinstance(value, dict) and set(value) == {"args", "kwargs"}:
         args, kwargs = value["args"], value["kwargs"]
         if not args and isinstance(kwargs, dict):

@@ -5,6 +5,8 @@ status code, the model execution time and the served entity. When the response c
 MLflow trace (`databricks_output.trace`, returned when the request asked for it or when the endpoint
 logs traces), the trace is parsed and derived too, and the row's own fields win over the trace's
 (`tracejudge.schemas.derive.merge`), except that a failure either of them records is a failure.
+A body that is text but not JSON is read as text; one that looks like JSON (starts with `{` or `[`)
+and does not parse was cut short or corrupted, and rejects the row naming `request` or `response`.
 """
 
 from __future__ import annotations

@@ -109,6 +109,11 @@ def mismatches(case: dict[str, Any], got: dict[str, Any], *, usage: bool = True)
     check("retrieved_context", want_context, have_context)
     check("tools", case["tools"], [t["tool_name"] for t in got["trajectory"] or []])
     check("failed", case["failed"], got["failed"])
+    # A tool's input is the call's arguments, not the instrumentation's wrapper around them
+    # (OpenLLMetry's {"input_str", "inputs", "kwargs", ...}, OpenInference's {"kwargs": ...}).
+    for step in got["trajectory"] or []:
+        if isinstance(step.get("tool_input"), dict) and {"input_str", "kwargs"} & set(step["tool_input"]):
+            wrong.append(f"{where} {step['tool_name']}'s tool_input is a wrapper: {step['tool_input']!r:.80}")
     if not usage:
         check("tokens", None, got["tokens"])
         return wrong
