@@ -173,6 +173,15 @@ def test_collector_exports_otlp_proto_keyed_by_trace_id_to_a_topic_tracejudge_re
     assert collector["exporters"]["otlp/jaeger"]["endpoint"].split(":")[0] in compose()["services"]
 
 
+def test_collector_exports_content_logs_keyed_by_trace_id_to_a_topic_tracejudge_reads() -> None:
+    collector = load_yaml(mounted("otel-collector", "/etc/otelcol-contrib/config.yaml"))
+    kafka = collector["exporters"]["kafka"]
+    assert kafka["logs"]["encoding"] == "otlp_proto" and kafka["partition_logs_by_trace_id"] is True
+    formats = {t["name"]: t["format"] for t in tracejudge_config()["stream"]["topics"]}
+    assert formats[kafka["logs"]["topic"]] == "otlp_logs_proto"
+    assert "kafka" in collector["service"]["pipelines"]["logs"]["exporters"]
+
+
 def test_grafana_provisions_the_datasources_and_the_dashboards() -> None:
     provisioning = mounted("grafana", "/etc/grafana/provisioning")
     sources = load_yaml(provisioning / "datasources" / "datasources.yaml")["datasources"]
