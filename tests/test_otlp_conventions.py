@@ -173,3 +173,60 @@ def test_mlflow_own_otlp_export():
         assert record.tokens is not None and record.tokens.total == 14
         # The tool error was caught inside the agent: the request did not fail.
         assert record.failed is False
+
+
+# --- the app span, its fallbacks and failure below the root ------------------------------------------
+# Real instrumentor output for each rule is in test_instrumented_apps.py; these pin each rule alone.
+
+
+def _served(producer: Producer, *, status: int, agent_error: bool = False, tool_error: bool = False) -> str:
+    """An HTTP SERVER root (FastAPI's instrumentation) over a GenAI agent with a tool and a chat call."""
+    from opentelemetry.trace import SpanKind as OtelKind
+    from opentelemetry.trace import Status, StatusCode
+
+    tracer = producer.tracer
+    user = json.dumps([{"role": "user", "parts": [{"type": "text", "content": "Is it raining?"}]}])
+    reply = json.dumps([{"role": "assistant", "parts": [{"type": "text", "content": " No. "}]}])
+    with tracer.start_as_current_span("POST /ask", kind=OtelKind.SERVER, attributes={
+            "http.request.method": "POST", "http.route": "/ask"}) as root:
+        with tracer.start_as_current_span("invoke_agent weather", attributes={
+                "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": "weather"}) as agent:
+            with tracer.start_as_current_span("execute_tool rain", attributes={
+                    "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "rain"}) as tool:
+                if tool_error:
+                    tool.set_status(Status(StatusCode.ERROR, "sensor offline"))
+            with tracer.start_as_current_span("chat gpt", attributes={
+                    "gen_ai.operation.name": "chat", "gen_ai.input.messages": user,
+                    "gen_ai.output.messages": reply, "gen_ai.usage.input_tokens": 9,
+                    "gen_ai.usage.output_tokens": 2}):
+                pass
+            if agent_error:
+                agent.set_status(Status(StatusCode.ERROR, "model call failed"))
+        root.set_attribute("http.response.status_code", status)
+    return format(root.get_span_context().trace_id, "032x")
+
+
+def test_request_and_response_come_from_the_app_span_and_its_model_calls_below_an_http_root():
+    producer = Producer("web")
+    trace_id = _served(producer, status=200)
+    record = records([encode(producer.finished()).SerializeToString()])[trace_id]
+    # The agent span holds no messages: the first model call's user message, the last one's answer
+    # (white space around it stripped); the app is still the root's service.
+    assert (record.request, record.response, record.app) == ("Is it raining?", "No.", "web")
+    assert record.trajectory == [ToolCall("rain", None)] and record.failed is False
+
+
+@pytest.mark.parametrize(("status", "agent_error", "tool_error", "failed"), [
+    (200, False, True, False),   # a tool error the agent recovered from
+    (404, False, False, False),  # the client's error, not the agent's
+    (503, False, False, True),   # the server answered with an error
+    (200, True, False, True),    # the handler caught the agent's error and answered 200
+])
+def test_failure_is_the_root_the_app_span_or_a_top_level_agent_not_a_recovered_tool(
+        status, agent_error, tool_error, failed):
+    producer = Producer("web")
+    trace_id = _served(producer, status=status, agent_error=agent_error, tool_error=tool_error)
+    record = records([encode(producer.finished()).SerializeToString()])[trace_id]
+    assert record.failed is failed
+    # A failed request's answer is not made up from a model call that ran before the failure.
+    assert record.response == (None if failed else "No.")
