@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from tracejudge import __version__
+from tracejudge.consumer.log_setup import configure_library_logs
 
 SUBCOMMANDS = {
     "eval": ("tracejudge.consumer.offline", "evaluate JSON Lines files offline (same scores as the stream)"),
@@ -41,6 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(chosen).parse_args(argv)
     logging.basicConfig(level=args.log_level or "INFO", stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Per-request library lines (httpx's "HTTP Request: POST …") only with --log-level DEBUG.
+    configure_library_logs(args.log_level or "INFO")
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
     try:
         return int(module.main(args))

@@ -558,7 +558,11 @@ def _drain(runner: Any, produced: int, stop: _Stop) -> bool:
 
 def _quiet_client_logs() -> None:
     # kafka-python and the runner narrate connections and rebalances at INFO; the live summary is the
-    # demo's output (and a log line on the terminal would break its redrawing).
+    # demo's output (and a log line on the terminal would break its redrawing). kafka-python's
+    # connection failures go to DEBUG as in `tracejudge run` (the demo says "cannot reach Kafka").
+    from tracejudge.consumer.log_setup import configure_library_logs
+
+    configure_library_logs(logging.getLogger().getEffectiveLevel())
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         for name in ("kafka", "mlflow", "tracejudge.run"):
             logging.getLogger(name).setLevel(logging.WARNING)

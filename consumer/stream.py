@@ -697,8 +697,10 @@ class StreamRunner:
             consumer.commit(offsets, timeout_ms=self.settings.kafka.commit_timeout_ms)
         except Exception as exc:
             self.exporter.commit_failures.inc()
-            log.warning("offset commit failed (%s: %s); the records are re-delivered unless a later "
-                        "commit succeeds: %s", type(exc).__name__, exc, _describe(offsets))
+            # While the broker is reported unreachable, each retry's failure is no news.
+            log.log(logging.DEBUG if self._broker_lost_since is not None else logging.WARNING,
+                    "offset commit failed (%s: %s); the records are re-delivered unless a later "
+                    "commit succeeds: %s", type(exc).__name__, exc, _describe(offsets))
             return
         self.tracker.mark_committed(offsets)
         self.exporter.commits.inc()
@@ -707,15 +709,16 @@ class StreamRunner:
 
     def _watch_broker(self, consumer: KafkaConsumer, now: float) -> None:
         """One line when the group coordinator has not answered a heartbeat for longer than the session
-        timeout (kafka-python retries meanwhile; its own lines about it are at DEBUG, see
-        `consumer/log_setup.py`), and one when it answers again."""
+        timeout and kafka-python has lost it (it retries meanwhile; its own lines about it are at DEBUG,
+        see `consumer/log_setup.py`), and one when it answers again. (A slow rebalance also pauses
+        heartbeats, but the coordinator stays known.)"""
         age = _heartbeat_age(consumer)
         if age is None:
             return
         limit = self.settings.kafka.session_timeout_ms / 1000
         servers = ",".join(self.settings.kafka.bootstrap_servers)
         if self._broker_lost_since is None:
-            if age > limit and not self._stop.is_set():
+            if age > limit and not _coordinator_known(consumer) and not self._stop.is_set():
                 self._broker_lost_since = now - age
                 cause = KAFKA_CONNECTION_LOGS.last_error(since=now - age)
                 log.warning("Kafka at %s (kafka.bootstrap_servers) has not answered for %.0f s (more than "
@@ -917,6 +920,13 @@ def _cannot_connect(what: str, servers: str, timeout_ms: int, exc: BaseException
     text, name = str(exc), type(exc).__name__
     return f"cannot {what} for Kafka at {servers} (kafka.bootstrap_servers): " + (
         text if text.startswith(name) else f"{name}: {text}")
+
+
+def _coordinator_known(consumer: KafkaConsumer) -> bool:
+    """Whether kafka-python still has a group coordinator (it forgets it when the broker is lost);
+    False when this kafka-python does not say."""
+    coordinator = getattr(consumer, "_coordinator", None)
+    return getattr(coordinator, "coordinator_id", None) is not None
 
 
 def _heartbeat_age(consumer: KafkaConsumer) -> float | None:

@@ -174,6 +174,67 @@ def test_bad_agent_eval_record_names_the_field(path: tuple[Any, ...], value: Any
         assert (err.reason, err.detail) == ("invalid_record", detail)
 
 
+_NO_REQUEST = "(a record without a trace must state its request, or mlflow.genai.evaluate's inputs)"
+
+
+@pytest.mark.parametrize(("record", "detail"), [
+    ({"request_id": "r1", "response": "a"}, f"required field is missing {_NO_REQUEST}"),
+    ({k: v for k, v in AGENT_EVAL.items() if k not in ("request", "trace")},
+     f"required field is missing {_NO_REQUEST}"),
+    ({"request": None, "response": "a", "trace": None},
+     f"expected a string or an object, got null {_NO_REQUEST}"),
+    ({"expected_response": "a", "inputs": None}, f"required field is missing {_NO_REQUEST}"),
+])
+def test_agent_eval_record_without_request_or_trace_names_request(record: dict[str, Any],
+                                                                  detail: str) -> None:
+    for payload in (record, _dumps(record)):
+        err = _error(payload)
+        assert (err.reason, err.field, err.detail) == ("invalid_record", "request", detail)
+    assert _error(record, "agent_eval").field == "request"
+
+
+@pytest.mark.parametrize("record", [
+    {"request": "", "response": "a"},                              # an empty question is still stated
+    {"inputs": {"question": "q"}, "outputs": "a"},                 # mlflow.genai.evaluate's shape
+    {"response": "a", "trace": V3_RAG},                            # the request comes from the trace
+    {"request": {"query": "q"}},                                   # no response: nothing to judge yet
+])
+def test_agent_eval_record_with_a_request_or_a_trace_flows(record: dict[str, Any]) -> None:
+    assert isinstance(normalise(record), EvalRecord)
+
+
+@pytest.mark.parametrize(("column", "body", "detail"), [
+    ("request", '{"messages": [{"role": "user", "content": "q"',
+     "unexpected end of data at line 1 column 46"),
+    ("request", '[{"role": "user", "content": "q"}', "unexpected end of data at line 1 column 34"),
+    ("request", '  \n {"messages": [}', "unexpected character, expected a JSON value at line 2 column 16"),
+    ("response", '{"choices": [{"message": {"content": "a"}}]', "unexpected end of data at line 1 column 44"),
+    ("response", '{"choices": [], trailing}',
+     "unexpected character, expected a string key at line 1 column 17"),
+])
+@pytest.mark.parametrize("status", [200, 500])
+def test_inference_log_body_that_looks_like_json_but_does_not_parse_names_the_column(
+        column: str, body: str, detail: str, status: int) -> None:
+    row = {**INFERENCE_ROW, column: body, "status_code": status}
+    for payload in (row, _dumps(row)):
+        err = _error(payload)
+        assert (err.reason, err.field) == ("invalid_json", column)
+        assert err.detail == f"looks like JSON but does not parse: {detail}"
+        assert err.message == f"{column}: {err.detail}"
+
+
+def test_inference_log_bodies_that_are_text_or_python_json_flow() -> None:
+    # Plain text is taken as it is (it does not look like JSON), whatever it contains.
+    record = normalise({**INFERENCE_ROW, "request": "what is {x} in [brackets", "response": "plain: {answer"})
+    assert (record.request, record.response) == ("what is {x} in [brackets", "plain: {answer")
+    # JSON with the NaN that Python producers write is JSON, not text.
+    body = '{"messages": [{"role": "user", "content": "q"}], "temperature": NaN}'
+    assert normalise({**INFERENCE_ROW, "request": body}).request == "q"
+    # A JSON string body is decoded; one that does not parse is text (only objects and arrays look like JSON).
+    assert normalise({**INFERENCE_ROW, "request": '"quoted"', "response": '"half'}).request == "quoted"
+    assert normalise({**INFERENCE_ROW, "response": '"half'}).response == '"half'
+
+
 def test_explicit_format_that_does_not_fit() -> None:
     err = _error({"request": "q"}, "mlflow")
     assert (err.field, err.detail) == ("info", "required field is missing")

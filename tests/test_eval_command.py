@@ -57,6 +57,41 @@ def test_results_line_per_record_rejects_with_line_numbers(tmp_path):
     assert "mean document_recall" in stderr
 
 
+SERVING_ROW = {"databricks_request_id": "d-1", "status_code": 200, "execution_duration_ms": 12,
+               "served_entity_id": "billing-bot",
+               "request": json.dumps({"messages": [{"role": "user", "content": "Refund window?"}]}),
+               "response": json.dumps({"choices": [{"message": {"role": "assistant",
+                                                                 "content": "30 days."}}]})}
+
+
+def test_records_without_a_request_or_with_a_broken_json_body_are_rejected_naming_the_field(tmp_path):
+    truncated = SERVING_ROW["request"][:-9]
+    src = write_lines(tmp_path / "in.jsonl",
+                      {"request_id": "no-request", "response": "30 days."},       # neither request nor trace
+                      {**SERVING_ROW, "request": truncated},                      # request body cut short
+                      {**SERVING_ROW, "response": SERVING_ROW["response"][:-2]},  # response body cut short
+                      # Valid but odd, kept: bodies that are plain text, and a record with no response.
+                      {**SERVING_ROW, "databricks_request_id": "text", "request": "Refund window? {plain}",
+                       "response": "30 days [policy]"},
+                      {"request_id": "no-response", "request": "Refund window?"})
+    rejects = tmp_path / "rejects.jsonl"
+    proc = run("eval", str(src), "--rejects", str(rejects))
+    assert proc.returncode == 0, proc.stderr.decode()
+    results = {r["request_id"]: r for r in map(orjson.loads, proc.stdout.splitlines())}
+    assert set(results) == {"text", "no-response"}
+    assert results["text"]["request"] == "Refund window? {plain}"
+    assert results["text"]["response"] == "30 days [policy]"
+    rejected = [orjson.loads(line) for line in rejects.read_bytes().splitlines()]
+    assert [(r["line"], r["reason"], r["error"].split(":")[0]) for r in rejected] == [
+        (1, "invalid_record", "request"), (2, "invalid_json", "request"), (3, "invalid_json", "response")]
+    assert rejected[1]["record"] == json.dumps({**SERVING_ROW, "request": truncated})
+    stderr = proc.stderr.decode()
+    assert f"{src}:1: rejected (invalid_record): request: required field is missing" in stderr
+    assert f"{src}:2: rejected (invalid_json): request: looks like JSON but does not parse" in stderr
+    assert f"{src}:3: rejected (invalid_json): response: looks like JSON but does not parse" in stderr
+    assert re.search(r"rejected lines +3\n", stderr)
+
+
 def test_stdin_and_several_inputs(tmp_path):
     a = write_lines(tmp_path / "a.jsonl", {**RECORD, "request_id": "a"})
     proc = run("eval", str(a), "-", "--quiet", stdin=json.dumps({**RECORD, "request_id": "b"}).encode())
@@ -162,3 +197,22 @@ def _env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if not k.startswith("TRACEJUDGE_")}
+
+
+def test_judge_calls_log_no_http_request_line_unless_debug(tmp_path, stub):
+    """httpx logs "HTTP Request: POST … 200 OK" at INFO for every judge call: only with --log-level DEBUG."""
+    src = write_lines(tmp_path / "in.jsonl", GROUNDED)
+    config = tmp_path / "judges.yaml"
+    config.write_text(json.dumps({"judges": {"endpoints": {"default": {"base_url": stub.base_url,
+                                                                       "model": "judge-model"}},
+                                             "sample_rate": 1.0, "builtin": {"relevance_to_query": {}}}}))
+    quiet = subprocess.run([*TRACEJUDGE, "eval", str(src), "--config", str(config)], capture_output=True,
+                           timeout=120, check=False, env=_env())
+    assert quiet.returncode == 0, quiet.stderr.decode()
+    assert stub.count("/chat/completions") == 1
+    assert b"HTTP Request" not in quiet.stderr and b"httpx" not in quiet.stderr
+    assert b"judge relevance_to_query" in quiet.stderr  # the summary is still there
+    debug = subprocess.run([*TRACEJUDGE, "--log-level", "DEBUG", "eval", str(src), "--config", str(config)],
+                           capture_output=True, timeout=120, check=False, env=_env())
+    assert debug.returncode == 0 and stub.count("/chat/completions") == 2
+    assert b"INFO httpx: HTTP Request: POST " + stub.base_url.encode() in debug.stderr

@@ -105,15 +105,21 @@ def test_malformed_records_are_dead_lettered_with_reasons_while_the_rest_flow(br
         (b'{"hello": "world"}', "unknown_format"),
         (b'{"request": ' + b'"' + b"x" * 70_000 + b'"}', "too_large"),
         (None, "invalid_record"),  # a tombstone
+        (b'{"request_id": "r", "response": "an answer"}', "invalid_record"),  # no request, no trace
+        (b'{"databricks_request_id": "d", "status_code": 200, "request": "{\\"messages\\": [{\\"role",'
+         b' "response": "ok"}', "invalid_json"),  # a serving log's request body cut short
     ]
-    # Valid, if odd: half a surrogate pair (no UTF-8 writer takes it), and an integer beyond 64 bits
-    # (msgpack cannot carry it back from a decode worker).
+    # Valid, if odd: half a surrogate pair (no UTF-8 writer takes it), an inference-log row whose
+    # bodies are plain text, and an integer beyond 64 bits (msgpack cannot carry it back from a
+    # decode worker).
     odd = [b'{"request_id": "lone", "request": "hi \\ud800", "response": "yo"}',
+           b'{"databricks_request_id": "plain", "status_code": 200, "request": "hi {there", '
+           b'"response": "yo"}',
            b'{"request_id": "big", "request": "hi", "response": "yo", "reference_trajectory": '
            b'[{"tool_name": "t", "tool_input": {"n": 1180591620717411303424, "x": NaN}}]}']
     values = [t.payload for t in good[:10]] + [v for v, _ in bad] + [t.payload for t in good[10:]] + odd
     keys = [t.trace_id.encode() for t in good[:10]] + [f"bad-{i}".encode() for i in range(len(bad))] + \
-        [t.trace_id.encode() for t in good[10:]] + [b"lone", b"big"]
+        [t.trace_id.encode() for t in good[10:]] + [b"lone", b"plain", b"big"]
     placed = produce(bs, topic, values, keys=keys)
     bad_at = {f"bad-{i}": placed[10 + i] for i in range(len(bad))}
     s = settings(bs, [topic], **{"stream.results_topic": results, "stream.dead_letter_topic": dlq,
@@ -130,6 +136,7 @@ def test_malformed_records_are_dead_lettered_with_reasons_while_the_rest_flow(br
     assert len(letters) == len(bad) and len(out) == len(good) + len(odd)
     by_key = {r.key: orjson.loads(r.value) for r in out}
     assert by_key[b"lone"]["request"] == "hi \ufffd"
+    assert (by_key[b"plain"]["request"], by_key[b"plain"]["response"]) == ("hi {there", "yo")
     assert by_key[b"big"]["reference_trajectory"][0]["tool_input"]["n"] == 2**70
     for letter in letters:
         key = letter.key.decode()
@@ -142,6 +149,9 @@ def test_malformed_records_are_dead_lettered_with_reasons_while_the_rest_flow(br
         assert (int(headers[sinks.HEADER_PARTITION]), int(headers[sinks.HEADER_OFFSET])) == bad_at[key]
         assert headers[sinks.HEADER_FORMAT] == b"auto"
         assert (letter.value or b"") == (original or b"")
+    errors = {letter.key: dict(letter.headers)[sinks.HEADER_ERROR].decode() for letter in letters}
+    assert errors[b"bad-6"].startswith("request: required field is missing")
+    assert errors[b"bad-7"].startswith("request: looks like JSON but does not parse: unexpected end of data")
     assert b"70015 bytes, more than stream.max_record_bytes (65536)" in dict(
         next(x for x in letters if x.key == b"bad-4").headers)[sinks.HEADER_ERROR]
     assert metric_in(text, "tracejudge_records_total", outcome="dead_lettered") == len(bad)

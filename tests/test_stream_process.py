@@ -1,9 +1,14 @@
-"""The real `tracejudge run` process: SIGKILL mid-stream loses nothing; SIGTERM drains, commits, leaves."""
+"""The real `tracejudge run` process: SIGKILL mid-stream loses nothing; SIGTERM drains, commits, leaves;
+a broker that cannot be reached is one line of its own, not kafka-python's pages."""
 
 from __future__ import annotations
 
+import os
 import pathlib
+import re
 import signal
+import subprocess
+import sys
 import threading
 
 import orjson
@@ -19,6 +24,7 @@ from support.kafka import (
     wait_until,
 )
 
+from tracejudge.consumer.broker import LocalBroker, free_port
 from tracejudge.consumer.decode_workers import auto_workers, available_cpus
 
 
@@ -132,3 +138,90 @@ def test_sigterm_drains_commits_and_leaves_so_a_restart_reprocesses_nothing(brok
         restarted.kill()
     out = read_topic(bs, results, at_least=len(traces) + 3)
     assert len(out) == len(traces) + 3  # every trace once: nothing re-delivered by the restart
+
+
+# -- a broker that cannot be reached ----------------------------------------------------------------
+
+_LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (?P<level>[A-Z]+) (?P<logger>[\w.]+): "
+                         r"(?P<message>.*)$")
+
+
+def _records(log: str) -> list[dict[str, str]]:
+    return [m.groupdict() for line in log.splitlines() if (m := _LOG_RECORD.match(line))]
+
+
+def _run_unreachable(*run_args: str, log_level: str | None = None) -> tuple[int, str, str]:
+    """`tracejudge run` against a loopback port where nothing listens; (status, address, stderr)."""
+    address = f"127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRACEJUDGE_")}
+    env.update({"TRACEJUDGE_KAFKA__BOOTSTRAP_TIMEOUT_MS": "2000", "TRACEJUDGE_STREAM__DECODE_WORKERS": "0"})
+    level = ("--log-level", log_level) if log_level else ()
+    cmd = [sys.executable, "-m", "tracejudge.consumer.cli", *level, "run", "--bootstrap-servers", address,
+           "--topic", "traces", "--metrics-port", "0", "--metrics-bind-address", "127.0.0.1", *run_args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False, env=env)
+    return proc.returncode, address, proc.stderr
+
+
+@pytest.mark.parametrize("publish", [(), ("--results-topic", "results")], ids=["consumer", "producer"])
+def test_a_broker_that_cannot_be_reached_at_start_is_one_line_then_exit_1(publish):
+    status, address, stderr = _run_unreachable(*publish)  # with a results topic the producer connects first
+    assert status == 1, stderr
+    records = _records(stderr)
+    # kafka-python tried ~5 times in those 2 s, 3-4 lines each: none of them is shown.
+    assert not [r for r in records if r["logger"].startswith("kafka")], stderr
+    assert "Traceback" not in stderr
+    [problem] = [r for r in records if r["level"] in ("WARNING", "ERROR")]
+    assert (problem["level"], problem["logger"]) == ("ERROR", "tracejudge.run")
+    assert problem["message"] == (
+        f"cannot reach Kafka at {address} (kafka.bootstrap_servers): no broker answered within 2 s "
+        "(kafka.bootstrap_timeout_ms); last error: KafkaConnectionError: 111 ECONNREFUSED; "
+        "exiting with status 1")
+    # Bounded: the start-up summary (its settings on indented lines), a few lines of progress, the error.
+    assert len(records) <= 6, stderr
+    assert all(_LOG_RECORD.match(line) or line.startswith("  ") for line in stderr.splitlines()), stderr
+
+
+def test_with_log_level_debug_kafka_pythons_connection_detail_is_shown_as_debug():
+    status, _, stderr = _run_unreachable(log_level="DEBUG")
+    assert status == 1
+    records = _records(stderr)
+    refused = "Connection failed: KafkaConnectionError: 111 ECONNREFUSED"
+    assert any(r["level"] == "DEBUG" and r["logger"] == "kafka.net.manager" and r["message"] == refused
+               for r in records)
+    assert not [r for r in records if r["logger"].startswith("kafka") and r["level"] in ("WARNING", "ERROR")]
+    assert [r["logger"] for r in records if r["level"] == "ERROR"] == ["tracejudge.run"]
+
+
+def test_a_broker_lost_mid_run_is_one_line_and_its_return_another():
+    own = LocalBroker().start()  # stopped and restarted here: not the shared broker
+    again: LocalBroker | None = None
+    bs = own.bootstrap_servers
+    topic = unique("lost")
+    produce(bs, topic, [t.payload for t in agent_traces(5, seed=41)])
+    runner = RunnerProcess(bs, "--topic", f"{topic}:mlflow", env={"TRACEJUDGE_STREAM__DECODE_WORKERS": "0"})
+    try:
+        runner.wait_ready()
+        wait_until(lambda: runner.metric("tracejudge_records_total") == 5, 60)
+        start = len(runner.log)
+        own.stop()
+        wait_until(lambda: "has not answered" in runner.log[start:], 60,
+                   message=lambda: f"the lost broker reported; log:\n{runner.log[start:][-3000:]}")
+        # By now (more than kafka.session_timeout_ms later) kafka-python has logged dozens of failures.
+        down = _records(runner.log[start:])
+        assert not [r for r in down if r["logger"].startswith("kafka")], runner.log[start:]
+        [lost] = [r for r in down if r["level"] in ("WARNING", "ERROR")]
+        assert lost["logger"] == "tracejudge.run"
+        assert lost["message"].startswith(f"Kafka at {bs} (kafka.bootstrap_servers) has not answered for ")
+        assert ("; last error: KafkaConnectionError: 111 ECONNREFUSED; retrying until it answers"
+                in lost["message"])
+        again = LocalBroker(port=own.port).start()  # back at the same address (its topics are gone)
+        wait_until(lambda: f"tracejudge.run: Kafka at {bs} answers again" in runner.log[start:], 90,
+                   message=lambda: f"the broker's return reported; log:\n{runner.log[start:][-3000:]}")
+        runner.signal(signal.SIGTERM)
+        assert runner.finish(timeout=60) == 0, runner.log[-3000:]
+    finally:
+        runner.kill()
+        own.stop()
+        if again is not None:
+            again.stop()
+    assert runner.log.count("has not answered") == 1
