@@ -1,15 +1,25 @@
 # The README's two commands: `make demo` and `make test`. Each creates its own virtual environment
-# (.venv) on first use and reinstalls when pyproject.toml changes.
+# (.venv) on first use and reinstalls when pyproject.toml changes. `make test` first installs the
+# system packages the tests need when they are missing (tests/support/ensure_system_packages.sh).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean system-packages FORCE
+
+# A .venv that cannot run pip on Python >= 3.11 (made by a Python that is gone or too old, or cut short
+# before pip was in it) is made again from scratch, and everything is installed into it again.
+VENV_OK := $(shell $(BIN)/python -c 'import sys, pip; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1 && echo yes)
+ifneq ($(VENV_OK),yes)
+$(BIN)/python $(VENV)/.installed-demo $(VENV)/.installed-test: FORCE
+endif
+
+CHECK_PYTHON = @$(PYTHON) -c 'import sys; sys.exit("tracejudge needs Python >= 3.11, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
 
 $(BIN)/python:
-	@$(PYTHON) -c 'import sys; sys.exit("tracejudge needs Python >= 3.11, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
-	$(PYTHON) -m venv $(VENV)
+	$(CHECK_PYTHON)
+	$(PYTHON) -m venv --clear $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(VENV)/.installed-demo: pyproject.toml | $(BIN)/python
@@ -20,10 +30,16 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	@touch $@ $(VENV)/.installed-demo
 
+# Prometheus and Alertmanager (Debian packages, with apt-get as root or through sudo), and Python's venv
+# module when .venv has to be made; elsewhere it stops here with the command to run.
+system-packages:
+	$(if $(VENV_OK),,$(CHECK_PYTHON))
+	@sh tests/support/ensure_system_packages.sh $(if $(VENV_OK),,$(PYTHON))
+
 demo: $(VENV)/.installed-demo
 	$(BIN)/tracejudge demo
 
-test: $(VENV)/.installed-test
+test: system-packages $(VENV)/.installed-test
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 

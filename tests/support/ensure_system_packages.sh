@@ -1,0 +1,100 @@
+#!/bin/sh
+# The system (non-pip) packages `make test` needs, installed when missing; run by the Makefile before
+# anything else, so a machine that cannot get them stops at once with the command to run.
+#
+#   sh tests/support/ensure_system_packages.sh [PYTHON]
+#
+# Always: Prometheus and Alertmanager, from the Debian packages `prometheus` (prometheus, promtool) and
+# `prometheus-alertmanager` (prometheus-alertmanager, amtool): promtool/amtool check the deploy files and
+# the end-to-end alerting test starts both servers. With PYTHON (passed when .venv has to be made): that
+# Python's venv module with pip, which Debian ships apart (python3.X-venv). On Debian/Ubuntu they are
+# installed with apt-get, as root or through sudo when it needs no password; `apt-get update` runs only
+# when a package is not in the package lists or the install fails (stale lists). Anywhere else this
+# prints the command to run and exits 1.
+set -eu
+
+python=${1:-}
+packages=""
+commands=""
+
+need() {  # need PACKAGE COMMAND...: PACKAGE is missing when one of its COMMANDs is not on PATH
+    package=$1; shift
+    for command in "$@"; do
+        if ! command -v "$command" >/dev/null 2>&1; then
+            commands="$commands $command"
+            case " $packages " in *" $package "*) ;; *) packages="$packages $package" ;; esac
+        fi
+    done
+}
+
+need prometheus prometheus promtool
+need prometheus-alertmanager prometheus-alertmanager amtool
+
+venv_package=""
+if [ -n "$python" ] && ! "$python" -c 'import ensurepip, venv' >/dev/null 2>&1; then
+    # Debian's Python keeps ensurepip (which puts pip into a new venv) in python3.X-venv.
+    venv_package=$("$python" -c 'import sys; print("python%d.%d-venv" % sys.version_info[:2])')
+    interpreter=$("$python" -c 'import sys; print(sys.executable)')
+    if command -v dpkg >/dev/null 2>&1 && dpkg -S "$interpreter" >/dev/null 2>&1; then
+        packages="$packages $venv_package"
+    else  # not the distribution's Python: no package of ours can help
+        echo "$python ($interpreter) cannot make a virtual environment with pip (no ensurepip);" \
+             "use a Python that can: make test PYTHON=/path/to/python3.11" >&2
+        exit 1
+    fi
+fi
+
+[ -z "$packages" ] && exit 0
+packages=${packages# }
+install="apt-get install -y --no-install-recommends $packages"
+
+if ! command -v apt-get >/dev/null 2>&1; then
+    {
+        echo "make test needs these commands, not found on PATH:${commands:- (none)}${venv_package:+ (and Python's venv with pip)}."
+        echo "There is no apt-get here (not Debian/Ubuntu), so install Prometheus and Alertmanager yourself under"
+        echo "these names, then run make test again. On macOS with Homebrew:"
+        echo '  brew install prometheus alertmanager && ln -s "$(brew --prefix)/bin/alertmanager" "$(brew --prefix)/bin/prometheus-alertmanager"'
+        echo "(On Debian/Ubuntu make test does it itself: apt-get install -y --no-install-recommends $packages)"
+    } >&2
+    exit 1
+fi
+
+if [ "$(id -u)" = 0 ]; then
+    as_root=""
+elif command -v sudo >/dev/null 2>&1 && sudo -n true >/dev/null 2>&1; then
+    as_root="sudo -n"
+else
+    why="not root and sudo is not installed"
+    command -v sudo >/dev/null 2>&1 && why="not root and sudo asks for a password"
+    {
+        echo "make test needs the Debian packages: $packages (${commands:+missing:$commands}${venv_package:+${commands:+; }Python's venv with pip})."
+        echo "Cannot install them ($why). Run this, then make test again:"
+        echo "  sudo $install"
+        echo "(or, as root: $install)"
+    } >&2
+    exit 1
+fi
+
+echo "Installing the Debian packages the tests need: $packages"
+apt() { $as_root env DEBIAN_FRONTEND=noninteractive apt-get -q -o DPkg::Lock::Timeout=120 "$@"; }
+
+listed=yes
+for package in $packages; do
+    # "Candidate: (none)" or no output: the package lists are empty or do not have it yet.
+    apt-cache policy "$package" 2>/dev/null | grep -q 'Candidate: [^(]' || listed=no
+done
+if [ "$listed" = no ]; then
+    echo "Updating the package lists (they do not list $packages yet)"
+    apt update -qq
+    # shellcheck disable=SC2086  # $packages is a list of words
+    apt install -y --no-install-recommends $packages
+else
+    # shellcheck disable=SC2086
+    apt install -y --no-install-recommends $packages \
+        || { echo "apt-get install failed; updating the package lists and trying again" >&2
+             apt update -qq && apt install -y --no-install-recommends $packages; }
+fi
+
+for command in $commands; do  # the packages must have brought what was missing
+    command -v "$command" >/dev/null 2>&1 || { echo "$command is still not on PATH after installing $packages" >&2; exit 1; }
+done
