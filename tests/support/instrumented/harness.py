@@ -172,10 +172,14 @@ def _logger_provider(service: str) -> tuple[Any, Any]:
     try:
         from opentelemetry._logs import set_logger_provider
         from opentelemetry.sdk._logs import LoggerProvider
-        from opentelemetry.sdk._logs.export import InMemoryLogExporter, SimpleLogRecordProcessor
+        from opentelemetry.sdk._logs.export import SimpleLogRecordProcessor
     except ImportError:
         return None, None
-    exporter = InMemoryLogExporter()
+    try:  # newer SDKs renamed it; older ones (some fixture apps pin them) have the old name only
+        from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter as InMemory
+    except ImportError:
+        from opentelemetry.sdk._logs.export import InMemoryLogExporter as InMemory
+    exporter = InMemory()
     provider = LoggerProvider(resource=Resource.create({"service.name": service}))
     provider.add_log_record_processor(SimpleLogRecordProcessor(exporter))
     set_logger_provider(provider)

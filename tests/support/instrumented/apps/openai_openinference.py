@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 
+from _openai_cases import run_cases
+
 SERVICE = "openai-openinference"
 PACKAGES = ("openai", "openinference-instrumentation-openai", "openinference-instrumentation",
             "openinference-semantic-conventions", "opentelemetry-sdk")
@@ -91,58 +93,9 @@ def agent(client, question: str, *, stream: bool = False) -> str:
         raise RuntimeError("agent did not finish")
 
 
-def script(h, *replies) -> None:
-    """Answer chat calls with `replies` in order; embeddings with the stub's default vectors."""
-    from collections import deque
-
-    from support.openai_stub import default_responder
-
-    queue = deque(replies)
-    h.stub.responder = lambda req: (default_responder(req) if req.path.endswith("/embeddings")
-                                    else queue.popleft())
-
-
 def run(h) -> None:
-    import openai
-    from support.openai_stub import Reply
-
-    client = openai.OpenAI(base_url=h.base_url, api_key="sk-test-fake", max_retries=0)
-
-    with h.case("tools") as c:
-        _ran.clear()
-        question = "What's the weather in Paris, and can I borrow an umbrella?"
-        script(h, Reply.tool_calls(("get_weather", {"city": "Paris"}),
-                                   ("lookup_faq", {"query": "borrow umbrella"}),
-                                   prompt_tokens=61, completion_tokens=23),
-               Reply.chat("Paris is 18C with light rain; umbrellas are lent at the front desk.",
-                       prompt_tokens=118, completion_tokens=17))
-        answer = agent(client, question)
-        c.expect(request=question, response=answer, tools=list(_ran),
-                 note="two tool calls in one model turn; lookup_faq makes an embeddings call")
-
-    with h.case("tool_error") as c:
-        _ran.clear()
-        question = "What's the weather in Atlantis?"
-        script(h, Reply.tool_calls(("get_weather", {"city": "Atlantis"}), prompt_tokens=52),
-                       Reply.chat("I could not find a city called Atlantis.", prompt_tokens=80))
-        answer = agent(client, question)
-        c.expect(request=question, response=answer, tools=list(_ran),
-                 note="the tool raised (TOOL span ERROR); the agent sent the error back and answered")
-
-    with h.case("stream") as c:
-        _ran.clear()
-        question = "When is breakfast?"
-        script(h, Reply.chat("Breakfast is served from 7 to 10.", prompt_tokens=33, completion_tokens=9))
-        answer = agent(client, question, stream=True)
-        c.expect(request=question, response=answer, tools=[], note="streamed chat completion, no tools")
-
-    with h.case("model_error") as c:
-        _ran.clear()
-        question = "What's the weather in Rome?"
-        script(h, Reply.error(500, "upstream exploded"))
-        try:
-            answer = agent(client, question)
-        except openai.InternalServerError:
-            answer = None
-        c.expect(request=question, response=answer, tools=list(_ran), failed=True,
-                 note="the first chat call got HTTP 500 (max_retries=0); the agent span raised")
+    run_cases(h, agent, _ran,
+              tool_error_note="the tool raised (TOOL span ERROR); "
+                              "the agent sent the error back and answered",
+              model_error_note="the first chat call got HTTP 500 (max_retries=0); "
+                               "the agent span raised")
