@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import pathlib
+import signal
 import subprocess
 import sys
 from typing import Any
@@ -26,7 +27,7 @@ import orjson
 import pytest
 from google.protobuf.json_format import ParseDict
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
-from support.kafka import produce, read_topic, running, settings, unique
+from support.kafka import RunnerProcess, produce, read_topic, unique
 
 HERE = pathlib.Path(__file__).resolve().parent
 HARNESS = HERE / "support" / "instrumented" / "harness.py"
@@ -177,7 +178,8 @@ def logs_proto(doc: dict[str, Any]) -> bytes:
 
 def test_the_stream_derives_the_same_records(outputs: dict[str, dict[str, Any]],
                                              evaluated: dict[str, dict[str, Any]], broker) -> None:
-    """The same spans as OTLP protobuf records through the broker and the stream runner."""
+    """The same spans as OTLP protobuf records (and the content log records on a logs topic) through
+    the broker and the real `tracejudge run` process."""
     bs = broker.bootstrap_servers
     topic, results, group = unique("instrumented"), unique("results"), unique("group")
     values = [base64.b64decode(doc["otlp_proto_b64"]) for doc in outputs.values()]
@@ -188,11 +190,19 @@ def test_the_stream_derives_the_same_records(outputs: dict[str, dict[str, Any]],
     assert logs, "no app writes content as log records"
     produce(bs, logs_topic, logs)
     trace_ids = {c["trace_id"] for doc in outputs.values() for c in doc["cases"]}
-    s = settings(bs, [f"{topic}:otlp_proto", f"{logs_topic}:otlp_logs_proto"],
-                 **{"stream.results_topic": results, "kafka.group_id": group,
-                    "otlp.assembly.quiet_period_s": 0.3, "otlp.assembly.max_wait_s": 10})
-    with running(s):
+    runner = RunnerProcess(bs, "--topic", f"{topic}:otlp_proto", "--topic", f"{logs_topic}:otlp_logs_proto",
+                           "--group-id", group, "--results-topic", results,
+                           env={"TRACEJUDGE_OTLP__ASSEMBLY__QUIET_PERIOD_S": "2",
+                                "TRACEJUDGE_OTLP__ASSEMBLY__MAX_WAIT_S": "10"}).wait_ready()
+    try:
         out = read_topic(bs, results, at_least=len(trace_ids), timeout=60)
+        # Every trace was whole when it left assembly: no span or log record came after its trace.
+        assert runner.metric("tracejudge_assembly_spans_total") > 0
+        assert runner.metric("tracejudge_assembly_late_spans_total") == 0
+        assert runner.metric("tracejudge_assembly_traces_emitted_total", reason="complete") == len(trace_ids)
+    finally:
+        runner.signal(signal.SIGTERM)
+        assert runner.finish(60) == 0
     streamed = {orjson.loads(r.value)["trace_id"]: orjson.loads(r.value) for r in out}
     fields = ("request", "response", "retrieved_context", "trajectory", "tokens", "failed", "app")
     for trace_id in trace_ids:
