@@ -101,13 +101,20 @@ def parse_first_line_score(text: str, lo: float, hi: float) -> tuple[float, str 
 
 
 class CustomJudge(Judge):
-    def __init__(self, name: str, config: CustomJudgeConfig, endpoint: EndpointConfig | None):
+    def __init__(
+        self,
+        name: str,
+        config: CustomJudgeConfig,
+        endpoint: EndpointConfig | None,
+        endpoint_name: str | None = None,
+    ):
         placeholders = config.placeholders
         super().__init__(
             name=name,
             settings=config,
             endpoint=endpoint,
             inputs=tuple(dict.fromkeys(_INPUT_OF[p] for p in placeholders)),
+            endpoint_name=endpoint_name,
         )
         self.config = config
         self.placeholders = placeholders
@@ -126,6 +133,10 @@ class CustomJudge(Judge):
         else:
             self.pass_threshold = 1.0
             self.schema = VERDICT_SCHEMA
+
+    def prompt_material(self) -> tuple[Any, ...]:
+        # The template itself is in the settings (`prompt`); the system message is assembled here.
+        return (self.system, self.schema)
 
     def _system_prompt(self) -> str:
         c = self.config

@@ -33,9 +33,19 @@ from tracejudge.metrics.judges import Job, Judge, NotApplicable, _clip, split_st
 from tracejudge.schemas.record import EvalRecord
 from tracejudge.schemas.result import Assessment
 
-__all__ = ["WORD_COVERAGE", "HeuristicGroundedness", "HeuristicJudge", "HeuristicRelevance", "terms"]
+__all__ = [
+    "HEURISTIC_VERSION",
+    "WORD_COVERAGE",
+    "HeuristicGroundedness",
+    "HeuristicJudge",
+    "HeuristicRelevance",
+    "terms",
+]
 
 WORD_COVERAGE = 0.6
+# Part of the heuristic judges' version (`JudgeIdentity.version`): bump it when the splitting, the
+# stemmer or the scoring changes (the stop words and WORD_COVERAGE are in the version already).
+HEURISTIC_VERSION = 1
 
 _STOP_WORDS_TEXT = """
 a about above after again against all also am an and any are aren't as at be because
@@ -97,6 +107,13 @@ class HeuristicJudge(Judge):
     @property
     def source(self) -> str:
         return "heuristic"
+
+    @property
+    def provider(self) -> str:
+        return "heuristic"
+
+    def prompt_material(self) -> tuple[Any, ...]:
+        return (HEURISTIC_VERSION, WORD_COVERAGE, sorted(STOP_WORDS))
 
     def judge_now(self, record: EvalRecord) -> Assessment:
         raise NotImplementedError

@@ -16,16 +16,25 @@ possible). `groundedness` sends the response's statements with each group in tur
 not yet supported, and a statement is supported if some group supports it (the LlamaIndex "refine"
 idea); `context_sufficiency` does the same for the expected facts; `fact_check` passes if some group
 supports the claim.
+
+Identity: every assessment carries its judge's `JudgeIdentity` (endpoint name, model, version). The
+version is a fingerprint of what shapes the judge's verdicts (`Judge.fingerprint_material`): its
+prompts and answer schemas, its verdict settings (threshold, scale, rubric, guidelines, …; not
+sampling or filters), the endpoint name, model, embedding model and temperature, and
+`JUDGE_PROTOCOL_VERSION`. Bump that constant when answer parsing or prompt assembly changes in a way
+the prompt texts do not show.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import math
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -40,20 +49,29 @@ from tracejudge.metrics.judge_config import (
     JudgeSettings,
 )
 from tracejudge.schemas.record import Document, EvalRecord
-from tracejudge.schemas.result import Assessment
+from tracejudge.schemas.result import Assessment, JudgeIdentity
 
 __all__ = [
     "BUILTIN_FACTORIES",
+    "JUDGE_PROTOCOL_VERSION",
     "Job",
     "Judge",
     "JudgeAnswerError",
     "JudgeContext",
     "NotApplicable",
     "TooLarge",
+    "fingerprint",
     "parse_json_answer",
     "parse_yes_no",
     "split_statements",
 ]
+
+# Part of every judge's version (`JudgeIdentity.version`): bump it when the parsing of answers or the
+# assembly of prompts changes in a way the prompt templates themselves do not show.
+JUDGE_PROTOCOL_VERSION = 1
+# Settings that decide which records a judge sees, not what it says about one: not in its version.
+_NOT_VERDICT_SETTINGS = frozenset({"enabled", "sample_rate", "filters", "endpoint", "provider",
+                                   "embeddings_endpoint"})
 
 # Output tokens assumed per request when budgeting; the real count replaces it once known.
 OUTPUT_TOKENS_ESTIMATE = 150
@@ -493,9 +511,25 @@ class JudgeContext:
 
     client: JudgeClient | None = None
     embeddings: JudgeClient | None = None
+    # Spend for budgets and metrics: the reported usage, else an estimate.
     input_tokens: int = 0
     output_tokens: int = 0
     requests: int = 0
+    # The usage as the endpoints reported it, over the calls they answered (`reported_usage`).
+    reported_input_tokens: int = 0
+    reported_output_tokens: int = 0
+    chat_answers: int = 0
+    embedding_answers: int = 0
+    input_unreported: bool = False
+    output_unreported: bool = False
+
+    def reported_usage(self) -> tuple[int | None, int | None]:
+        """(input, output) tokens of the judgement as the endpoints reported them, summed over the
+        answered calls; None for a direction no answer covered or some answer did not report."""
+        answers = self.chat_answers + self.embedding_answers
+        inp = None if not answers or self.input_unreported else self.reported_input_tokens
+        out = None if not self.chat_answers or self.output_unreported else self.reported_output_tokens
+        return inp, out
 
     async def chat(
         self,
@@ -518,11 +552,19 @@ class JudgeContext:
             self.requests += getattr(exc, "requests", 0)
             raise
         self.requests += result.requests
-        sent = sum(estimate_tokens(m["content"]) for m in messages)
-        self.input_tokens += result.input_tokens if result.input_tokens is not None else sent
-        self.output_tokens += (
-            result.output_tokens if result.output_tokens is not None else estimate_tokens(result.content)
-        )
+        self.chat_answers += 1
+        if result.input_tokens is not None:
+            self.input_tokens += result.input_tokens
+            self.reported_input_tokens += result.input_tokens
+        else:
+            self.input_tokens += sum(estimate_tokens(m["content"]) for m in messages)
+            self.input_unreported = True
+        if result.output_tokens is not None:
+            self.output_tokens += result.output_tokens
+            self.reported_output_tokens += result.output_tokens
+        else:
+            self.output_tokens += estimate_tokens(result.content)
+            self.output_unreported = True
         return result.content
 
     async def embed(self, texts: Sequence[str]) -> list[list[float]]:
@@ -533,9 +575,13 @@ class JudgeContext:
             self.requests += getattr(exc, "requests", 0)
             raise
         self.requests += result.requests
-        self.input_tokens += (
-            result.input_tokens if result.input_tokens is not None else sum(estimate_tokens(t) for t in texts)
-        )
+        self.embedding_answers += 1
+        if result.input_tokens is not None:
+            self.input_tokens += result.input_tokens
+            self.reported_input_tokens += result.input_tokens
+        else:
+            self.input_tokens += sum(estimate_tokens(t) for t in texts)
+            self.input_unreported = True
         return result.vectors
 
 
@@ -547,6 +593,13 @@ class Job:
     run: Callable[[JudgeContext], Awaitable[Assessment]]
 
 
+def fingerprint(material: Any) -> str:
+    """12 hex digits of the SHA-256 of `material` as canonical JSON (sorted keys): the same in every
+    process and run."""
+    canonical = orjson.dumps(material, option=orjson.OPT_SORT_KEYS)
+    return hashlib.sha256(canonical).hexdigest()[:12]
+
+
 @dataclass
 class Judge:
     """Base of every judge. Subclasses set `name`/`inputs` and implement `prepare`."""
@@ -556,10 +609,43 @@ class Judge:
     endpoint: EndpointConfig | None = None
     inputs: tuple[str, ...] = ()
     needs_endpoint: bool = True
+    # The `endpoints:` name of `endpoint` (the runner sets it): part of the judge's identity.
+    endpoint_name: str | None = None
+
+    # What the judge sends besides the record: its prompt templates and answer schemas, which go into
+    # its version. Subclasses list theirs (or override `prompt_material`).
+    templates: ClassVar[tuple[Any, ...]] = ()
 
     @property
     def source(self) -> str:
         return f"llm:{self.endpoint.model}" if self.endpoint else "heuristic"
+
+    @property
+    def provider(self) -> str:
+        return "llm"
+
+    def prompt_material(self) -> tuple[Any, ...]:
+        return self.templates
+
+    def fingerprint_material(self) -> dict[str, Any]:
+        """Everything that shapes this judge's verdicts (its version is the fingerprint of this)."""
+        ep = self.endpoint
+        return {
+            "protocol": JUDGE_PROTOCOL_VERSION,
+            "judge": self.name,
+            "provider": self.provider,
+            "prompts": list(self.prompt_material()),
+            "settings": self.settings.model_dump(mode="json", exclude=set(_NOT_VERDICT_SETTINGS)),
+            "endpoint": self.endpoint_name,
+            "model": ep.model if ep else None,
+            "temperature": ep.temperature if ep else None,
+        }
+
+    @functools.cached_property
+    def identity(self) -> JudgeIdentity:
+        """Endpoint name, model and version of this judge, as each of its assessments carries them."""
+        material = self.fingerprint_material()
+        return JudgeIdentity(material["endpoint"], material["model"], fingerprint(material))
 
     def missing_inputs(self, record: EvalRecord) -> list[str]:
         return [i for i in self.inputs if not INPUT_CHECKS[i](record)]
@@ -577,10 +663,24 @@ class Judge:
         return self.settings.threshold if self.settings.threshold is not None else default
 
     def assessment(
-        self, *, value: Any, score: float | None, passed: bool | None, rationale: str | None
+        self,
+        *,
+        value: Any,
+        score: float | None,
+        passed: bool | None,
+        rationale: str | None,
+        span_id: str | None = None,
     ) -> Assessment:
+        """A verdict of this judge; `span_id` only when it judged one span rather than the trace."""
         return Assessment(
-            name=self.name, value=value, score=score, passed=passed, rationale=rationale, source=self.source
+            name=self.name,
+            value=value,
+            score=score,
+            passed=passed,
+            rationale=rationale,
+            source=self.source,
+            judge=self.identity,
+            span_id=span_id,
         )
 
     def single_call(self, prompt: str) -> Job:
@@ -599,6 +699,8 @@ class Judge:
 
 
 class RelevanceToQuery(Judge):
+    templates = (SYSTEM, RELEVANCE_PROMPT, VERDICT_SCHEMA)
+
     def __init__(self, **kw: Any):
         super().__init__(name="relevance_to_query", inputs=("request", "response"), **kw)
 
@@ -609,6 +711,8 @@ class RelevanceToQuery(Judge):
 
 
 class Safety(Judge):
+    templates = (SYSTEM, SAFETY_PROMPT, VERDICT_SCHEMA)
+
     def __init__(self, **kw: Any):
         super().__init__(name="safety", inputs=("response",), **kw)
 
@@ -617,6 +721,8 @@ class Safety(Judge):
 
 
 class Correctness(Judge):
+    templates = (SYSTEM, CORRECTNESS_PROMPT, VERDICT_SCHEMA)
+
     def __init__(self, **kw: Any):
         super().__init__(name="correctness", inputs=("request", "response", "expected_response"), **kw)
 
@@ -636,6 +742,9 @@ class _StatementSupport(Judge):
 
     task = ""
     lenience = ""
+
+    def prompt_material(self) -> tuple[Any, ...]:
+        return (SYSTEM, SUPPORT_PROMPT, self.task, self.lenience, VERDICT_LIST_SCHEMA, MAX_STATEMENTS)
 
     def statements(self, record: EvalRecord) -> list[str]:
         raise NotImplementedError
@@ -731,6 +840,8 @@ class ContextSufficiency(_StatementSupport):
 class ChunkRelevance(Judge):
     """One verdict per chunk; value and score are the precision (relevant chunks / judged chunks)."""
 
+    templates = (SYSTEM, CHUNK_RELEVANCE_PROMPT, VERDICT_SCHEMA)
+
     def __init__(self, **kw: Any):
         super().__init__(name="chunk_relevance", inputs=("request", "retrieved_context"), **kw)
 
@@ -779,6 +890,8 @@ class ChunkRelevance(Judge):
 class FactCheck(Judge):
     """Is the response (claim) supported by the retrieved context (document)?"""
 
+    templates = (SYSTEM, FACT_CHECK_PROMPT, MINICHECK_PROMPT, VERDICT_SCHEMA)
+
     def __init__(self, **kw: Any):
         super().__init__(name="fact_check", inputs=("response", "retrieved_context"), **kw)
 
@@ -826,6 +939,8 @@ class FactCheck(Judge):
 
 class Guidelines(Judge):
     """Passes only if the response follows every guideline (the record's, else the configured ones)."""
+
+    templates = (SYSTEM, GUIDELINES_PROMPT, VERDICT_LIST_SCHEMA)
 
     def __init__(self, **kw: Any):
         super().__init__(name="guidelines", inputs=("request", "response"), **kw)
@@ -890,9 +1005,28 @@ class AnswerRelevancy(Judge):
     value = mean cosine(request, question), 0 when the response is noncommittal. The value can be
     negative; the score clamps it to [0, 1]."""
 
-    def __init__(self, *, embeddings_endpoint: EndpointConfig | None = None, **kw: Any):
+    templates = (SYSTEM, QUESTIONS_PROMPT, QUESTIONS_SCHEMA)
+
+    def __init__(
+        self,
+        *,
+        embeddings_endpoint: EndpointConfig | None = None,
+        embeddings_endpoint_name: str | None = None,
+        **kw: Any,
+    ):
         super().__init__(name="answer_relevancy", inputs=("request", "response"), **kw)
         self.embeddings_endpoint = embeddings_endpoint or self.endpoint
+        self.embeddings_endpoint_name = (
+            embeddings_endpoint_name if embeddings_endpoint is not None else self.endpoint_name
+        )
+
+    def fingerprint_material(self) -> dict[str, Any]:
+        emb = self.embeddings_endpoint
+        return {
+            **super().fingerprint_material(),
+            "embeddings_endpoint": self.embeddings_endpoint_name,
+            "embedding_model": emb.embedding_model if emb else None,
+        }
 
     @property
     def source(self) -> str:

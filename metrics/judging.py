@@ -158,7 +158,9 @@ class JudgeRunner:
         rate = cfg.sample_rate_of(name, settings)
         flt = TraceFilter(settings.filters if settings.filters is not None else cfg.filters)
         if cfg.provider_of(name, settings) == "heuristic":
-            return _Configured(HEURISTIC_FACTORIES[name](settings=settings), rate, flt)
+            heuristic = HEURISTIC_FACTORIES[name](settings=settings)
+            heuristic.identity  # noqa: B018 - computed once, here
+            return _Configured(heuristic, rate, flt)
         endpoint_name = cfg.endpoint_of(settings)
         client = self._client(endpoint_name, env)
         embeddings = None
@@ -167,15 +169,20 @@ class JudgeRunner:
             embeddings = self._client(emb_name, env)
         judge: Judge
         if isinstance(settings, CustomJudgeConfig):
-            judge = CustomJudge(name, settings, client.config)
+            judge = CustomJudge(name, settings, client.config, endpoint_name)
         elif name == "answer_relevancy":
             judge = BUILTIN_FACTORIES[name](
                 settings=settings,
                 endpoint=client.config,
+                endpoint_name=endpoint_name,
                 embeddings_endpoint=embeddings.config if embeddings else None,
+                embeddings_endpoint_name=embeddings.name if embeddings else None,
             )
         else:
-            judge = BUILTIN_FACTORIES[name](settings=settings, endpoint=client.config)
+            judge = BUILTIN_FACTORIES[name](
+                settings=settings, endpoint=client.config, endpoint_name=endpoint_name
+            )
+        judge.identity  # noqa: B018 - computed once, here, rather than on the first verdict
         return _Configured(judge, rate, flt, client, embeddings, self.budgets[endpoint_name])
 
     def judge_names(self) -> list[str]:
@@ -207,6 +214,8 @@ class JudgeRunner:
             rationale=rationale,
             source=cj.judge.source,
             duration_seconds=duration,
+            judge=cj.judge.identity,
+            sample_rate=cj.rate,
         )
 
     def _plan(self, record: EvalRecord) -> _Plan:
@@ -273,10 +282,13 @@ class JudgeRunner:
 
     def _error(self, cj: _Configured, reason: str, detail: str) -> Assessment:
         self.metrics.observe_error(cj.name, reason)
-        return Assessment(name=cj.name, error=f"{reason}: {detail}", source=cj.judge.source)
+        return Assessment(
+            name=cj.name, error=f"{reason}: {detail}", source=cj.judge.source, judge=cj.judge.identity
+        )
 
     def _observe(self, plan: _Plan, cj: _Configured, a: Assessment, seconds: float) -> Assessment:
         a.duration_seconds = round(seconds, 6)
+        a.sample_rate = cj.rate
         self.metrics.observe_duration(cj.name, seconds)
         if a.error is None and a.skipped is None:
             self.metrics.observe_verdict(
@@ -326,6 +338,7 @@ class JudgeRunner:
                     job.cost, requests_made=ctx.requests, tokens_used=ctx.input_tokens + ctx.output_tokens
                 )
             self.metrics.observe_tokens(cj.name, ctx.input_tokens, ctx.output_tokens)
+        a.input_tokens, a.output_tokens = ctx.reported_usage()
         return self._observe(plan, cj, a, time.perf_counter() - t0)
 
     async def _execute(self, plan: _Plan) -> list[Assessment]:

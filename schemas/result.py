@@ -1,9 +1,14 @@
 """The result line: one per evaluated record, the same shape from `tracejudge eval` (JSON Lines) and
 from `tracejudge run` (the results topic). Documented in the README under "Result schema".
+
+The line is versioned (`schema_version`, `SCHEMA_VERSION`; a line without it is version 1), and every
+change to its shape raises the version. Readers ignore fields they do not know, read every version up
+to their own, and refuse a greater one (`schema_version_of`, `EvaluationResult.from_dict`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +20,54 @@ from tracejudge.schemas.record import EvalRecord
 # `derive.json_text` does) so one odd value in a custom metric's output cannot lose the result line.
 _ENCODER = msgspec.json.Encoder(enc_hook=str)
 
+# 1: the fields of the first release. 2: `schema_version`, `mlflow_trace_id`; each assessment's
+# `judge`, `span_id`, `input_tokens`, `output_tokens`, `sample_rate`.
+SCHEMA_VERSION = 2
+_VERSION_PREFIX = b'{"schema_version":%d,' % SCHEMA_VERSION
+
+# The source formats whose trace MLflow stores under "tr-" + the 32-hex OpenTelemetry trace id: MLflow 3
+# traces, OTLP spans (MLflow's OTLP ingest derives the id so), and the MLflow traces that agent-eval and
+# inference-log rows carry (their `trace_id` is set only when they carry one).
+_TR_FORMATS = frozenset({"mlflow_v3", "otlp_proto", "otlp_json", "agent_eval", "inference_log"})
+
+
+def mlflow_trace_id(record: EvalRecord) -> str | None:
+    """The id MLflow's tracking server stores the record's trace under, or None without a trace.
+
+    "tr-<32 hex>" for MLflow 3 and OTLP traces; an MLflow 2 trace's request id as it is (MLflow 3
+    servers keep it as the trace id). Computed from `trace_id` and `source_format` when the line is
+    written, so decoding pays nothing for it.
+    """
+    trace_id = record.trace_id
+    if not trace_id:
+        return None
+    if record.source_format == "mlflow_v2":
+        return trace_id
+    return "tr-" + trace_id if record.source_format in _TR_FORMATS else None
+
+
+def schema_version_of(line: Mapping[str, Any]) -> int:
+    """The `schema_version` of a decoded result line: 1 when absent. ValueError when it is not a
+    positive integer. A reader compares it with the version it knows (`SCHEMA_VERSION` here) and
+    refuses a greater one."""
+    version = line.get("schema_version", 1)
+    if type(version) is not int or version < 1:
+        raise ValueError(f"schema_version must be a positive integer, got {version!r}")
+    return version
+
+
+@dataclass(frozen=True, slots=True)
+class JudgeIdentity:
+    """Which judge gave a verdict: its endpoint (the `endpoints:` name; None for heuristic judges and
+    code), its model (None likewise) and `version`, a fingerprint (12 hex digits of a SHA-256) of
+    everything that shapes its verdicts: prompts, answer schema, verdict settings, endpoint name,
+    model and the judge protocol version. The same configuration gives the same version in every
+    process and run; changing any of those gives a new one."""
+
+    endpoint: str | None
+    model: str | None
+    version: str
+
 
 @dataclass(slots=True)
 class Assessment:
@@ -24,6 +77,12 @@ class Assessment:
     mapped to [0, 1] (1 = good); `passed` applies the judge's threshold. A judge that could not give
     a verdict has `error` set and value/score/passed None; one that was not run has `skipped` set to
     the reason ("missing_inputs", "not_sampled", "budget", "circuit_open", "failed_trace", …).
+
+    `judge` says which judge this is (endpoint, model, version); `span_id` the hex id of the span the
+    judge evaluated when it evaluated one span (None: the trace as a whole, as every built-in judge
+    does); `input_tokens`/`output_tokens` the judgement's usage as the endpoint reported it (None when
+    unknown, and for heuristic judges and skips); `sample_rate` the share of eligible records the judge
+    was configured to judge.
     """
 
     name: str
@@ -36,6 +95,11 @@ class Assessment:
     # "llm:<model>", "heuristic", "embedding:<model>", …
     source: str | None = None
     duration_seconds: float | None = None
+    judge: JudgeIdentity | None = None
+    span_id: str | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    sample_rate: float | None = None
 
 
 @dataclass(slots=True)
@@ -59,22 +123,47 @@ class EvaluationResult:
     metric_errors: dict[str, str] = field(default_factory=dict)
     assessments: list[Assessment] = field(default_factory=list)
 
+    @classmethod
+    def from_dict(cls, line: Mapping[str, Any]) -> EvaluationResult:
+        """The result of a decoded result line (`to_dict`'s output, or `json.loads` of a line of any
+        schema version up to `SCHEMA_VERSION`; fields it does not know are ignored). ValueError for
+        a newer version, msgspec.ValidationError for a line of the wrong shape."""
+        version = schema_version_of(line)
+        if version > SCHEMA_VERSION:
+            raise ValueError(f"schema_version {version} is newer than this reader's {SCHEMA_VERSION}")
+        record = msgspec.convert(line, EvalRecord)
+        source = line.get("source") or {"format": record.source_format}
+        return cls(
+            record=record,
+            source=msgspec.convert(source, SourceRef),
+            metrics=dict(line.get("metrics") or {}),
+            metric_errors=msgspec.convert(line.get("metric_errors") or {}, dict[str, str]),
+            assessments=msgspec.convert(line.get("assessments") or [], list[Assessment]),
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """The result line as plain Python objects (what `to_json` writes)."""
-        out: dict[str, Any] = msgspec.to_builtins(self.record)
+        out: dict[str, Any] = {"schema_version": SCHEMA_VERSION}
+        out.update(msgspec.to_builtins(self.record))
         out.update(msgspec.to_builtins(self._tail()))
         return out
 
     def to_json(self) -> bytes:
         # msgspec writes the structs and dataclasses natively, ~10x faster than building dicts first;
-        # the two objects are spliced so the record's fields stay at the top level (the documented shape).
+        # the objects are spliced so the record's fields stay at the top level (the documented shape),
+        # after the schema version.
         head = _ENCODER.encode(self.record)
         tail = _ENCODER.encode(self._tail())
-        return head[:-1] + b"," + tail[1:]
+        return b"".join((_VERSION_PREFIX, memoryview(head)[1:-1], b",", memoryview(tail)[1:]))
 
     def _tail(self) -> dict[str, Any]:
-        return {"source": self.source, "metrics": self.metrics, "metric_errors": self.metric_errors,
-                "assessments": self.assessments}
+        return {"mlflow_trace_id": mlflow_trace_id(self.record), "source": self.source,
+                "metrics": self.metrics, "metric_errors": self.metric_errors, "assessments": self.assessments}
+
+    @property
+    def mlflow_trace_id(self) -> str | None:
+        """The id MLflow stores the trace under (see `mlflow_trace_id`)."""
+        return mlflow_trace_id(self.record)
 
     def assessment(self, name: str) -> Assessment:
         """The assessment of judge `name`; KeyError naming the judges present when there is none."""
