@@ -701,6 +701,7 @@ def derived_record(trace: Trace, root: Span | None, retrieved: list[Document] | 
         timestamp=timestamp,
         tags=dict(trace.tags),
         complete=trace.complete,
+        root_span_id=root.span_id if root is not None else None,
     )
     apply_expectations(record, trace.expectations)
     return record

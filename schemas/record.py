@@ -57,6 +57,9 @@ class EvalRecord(msgspec.Struct):
     tags: dict[str, str] = msgspec.field(default_factory=dict)
     # False when the trace was emitted by assembly before it was known to be whole.
     complete: bool = True
+    # The hex id of the trace's root span (what a trace-level verdict is attached to when it is
+    # written back as an OpenTelemetry event or span); None without a trace or a root. Schema 2.
+    root_span_id: str | None = None
 
 
 _CHECK = msgspec.json.Encoder(enc_hook=str)
