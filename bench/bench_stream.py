@@ -45,9 +45,9 @@ import corpus
 from kafka import KafkaConsumer, KafkaProducer
 
 from tracejudge.consumer import gc_policy
-from tracejudge.consumer.broker import LocalBroker
 from tracejudge.consumer.config import load_settings
 from tracejudge.consumer.decode_workers import auto_workers, available_cpus
+from tracejudge.consumer.demo.broker import LocalBroker
 from tracejudge.consumer.stream import StreamRunner
 from tracejudge.metrics.prometheus import PrometheusExporter
 

@@ -1,4 +1,4 @@
-"""The `tracejudge` command: `eval` (files), `run` (Kafka), `demo` (everything embedded).
+"""The `tracejudge` command: `eval` (files), `run` (Kafka), `sink` (write-back), `demo` (everything embedded).
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `main(args) -> int`;
 this file only wires them together, importing a subcommand's module when it is chosen so that
@@ -19,14 +19,16 @@ from tracejudge.consumer.log_setup import configure_library_logs
 SUBCOMMANDS = {
     "eval": ("tracejudge.consumer.offline", "evaluate JSON Lines files offline (same scores as the stream)"),
     "run": ("tracejudge.consumer.stream", "consume traces from Kafka and export quality to Prometheus"),
-    "demo": ("tracejudge.consumer.demo", "run a local broker, a synthetic agent and the evaluator"),
+    "sink": ("tracejudge.consumer.sink_stage", "write the judges' verdicts from the results topic back to "
+                                               "MLflow or an OpenTelemetry collector"),
+    "demo": ("tracejudge.consumer.demo.command", "run a local broker, a synthetic agent and the evaluator"),
 }
 
 
 def build_parser(chosen: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tracejudge", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"tracejudge {__version__}")
-    # No default here: `tracejudge run` falls back to `logging.level` from its configuration.
+    # No default here: `tracejudge run`/`sink` fall back to `logging.level` from their configuration.
     parser.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():

@@ -1,12 +1,14 @@
-"""Settings of `tracejudge run`: a YAML file, overridden by environment variables, overridden by flags.
+"""Settings of `tracejudge run` and `tracejudge sink`: a YAML file, overridden by environment variables,
+overridden by flags.
 
     defaults  <  --config FILE (YAML)  <  TRACEJUDGE_<SECTION>__<KEY>  <  command-line flags
 
-One pydantic model per YAML section (`kafka`, `stream`, `producer`, `http`, `prometheus`, `logging`);
-new sections (`judges:`, `metrics:`) are new fields of `Settings`. Every environment variable maps to
-one key: `TRACEJUDGE_KAFKA__SESSION_TIMEOUT_MS=6000` sets `kafka.session_timeout_ms` (double
-underscore between section and key, as in pydantic-settings). Lists (`stream.topics`,
-`kafka.bootstrap_servers`) take comma-separated values from the environment.
+One pydantic model per YAML section (`kafka`, `stream`, `producer`, `http`, `prometheus`, `logging`,
+`sink`); new sections (`judges:`, `metrics:`) are new fields of `Settings`. `tracejudge run` and
+`tracejudge sink <kind>` can share one file: each reads the sections it needs. Every environment
+variable maps to one key: `TRACEJUDGE_KAFKA__SESSION_TIMEOUT_MS=6000` sets
+`kafka.session_timeout_ms` (double underscore between section and key, as in pydantic-settings).
+Lists (`stream.topics`, `kafka.bootstrap_servers`) take comma-separated values from the environment.
 
 Errors name the key and where its value came from, e.g.
 `kafka.session_timeout_ms (from TRACEJUDGE_KAFKA__SESSION_TIMEOUT_MS): must be > 0`, and are all
@@ -48,6 +50,7 @@ __all__ = [
     "ProducerSettings",
     "PrometheusSettings",
     "Settings",
+    "SinkSettings",
     "StreamSettings",
     "TopicSpec",
     "load_settings",
@@ -441,6 +444,83 @@ class OtlpSettings(Section):
     assembly: AssemblySection = Field(default_factory=AssemblySection)
 
 
+# The sinks shipped with tracejudge; `tracejudge sink <kind>` imports the class only when it is chosen.
+BUILTIN_SINKS = {"mlflow": "tracejudge.consumer.writeback.mlflow:MlflowSink",
+                 "otlp": "tracejudge.consumer.writeback.otlp:OtlpSink"}
+_SINK_KIND = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+_CLASS_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+class SinkSettings(Section):
+    """`tracejudge sink <kind>`: the results it reads, how it batches them, and each sink's own
+    section (`sink.mlflow`, `sink.otlp`, `sink.<plugin kind>`), handed as a mapping to the sink's
+    settings class (`from_mapping`), which validates it."""
+
+    # A plugin's section is `sink.<kind>`: extra keys are allowed, and checked against `plugins`.
+    model_config = ConfigDict(extra="allow", validate_default=True)
+
+    # Default: stream.results_topic.
+    results_topic: str | None = None
+    # Where records that are not tracejudge results (or of a newer schema version) go; else logged.
+    dead_letter_topic: str | None = None
+    # Default: tracejudge-sink-<kind>, so every kind reads every result.
+    group_id: str | None = None
+    # Records written per partition per checkpoint, at most.
+    max_batch_records: int = Field(default=500, gt=0)
+    # How long a partition's records may wait for their checkpoint.
+    checkpoint_interval_ms: int = Field(default=1_000, ge=0)
+    # Cap of the exponential back-off between offers of a batch the sink asked to retry (`RetryLater`).
+    max_retry_backoff_s: float = Field(default=60.0, gt=0)
+    # More sinks: kind -> "package.module:Class", a `tracejudge.consumer.writeback.base.Sink`.
+    plugins: dict[str, str] = Field(default_factory=dict)
+    mlflow: dict[str, Any] | None = None
+    otlp: dict[str, Any] | None = None
+
+    @field_validator("results_topic", "dead_letter_topic")
+    @classmethod
+    def _topic(cls, v: str | None) -> str | None:
+        if v is not None and (not _TOPIC_NAME.match(v) or v in (".", "..")):
+            raise ValueError(f"{v!r} is not a valid Kafka topic name")
+        return v or None
+
+    @field_validator("group_id")
+    @classmethod
+    def _group(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _coherent(self) -> SinkSettings:
+        own = set(type(self).model_fields)
+        for kind, spec in self.plugins.items():
+            if not _SINK_KIND.match(kind) or kind in own - set(BUILTIN_SINKS):
+                raise _KeyedError(f"plugins.{kind}", "a sink kind is lowercase letters, digits, '_' and "
+                                  "'-', and not a key of the sink section")
+            if not isinstance(spec, str) or not _CLASS_SPEC.match(spec):
+                raise _KeyedError(f"plugins.{kind}", f"expected 'package.module:Class', got {spec!r}")
+        for key, value in (self.model_extra or {}).items():
+            if key not in self.plugins:
+                close = difflib.get_close_matches(key, [*own, *self.plugins], n=1)
+                raise _KeyedError(key, "unknown key" + (f"; did you mean {close[0]!r}?" if close else
+                                                        "; a plugin's section needs sink.plugins." + key))
+            if value is not None and not isinstance(value, dict):
+                raise _KeyedError(key, f"must be a mapping, got {value!r}")
+        if self.dead_letter_topic is not None and self.dead_letter_topic == self.results_topic:
+            raise _KeyedError("dead_letter_topic", "is the results topic; the sink would read its own "
+                              "dead letters")
+        return self
+
+    def kinds(self) -> dict[str, str]:
+        """Every sink kind this configuration can run: kind -> "package.module:Class"."""
+        return {**BUILTIN_SINKS, **self.plugins}
+
+    def section(self, kind: str) -> dict[str, Any]:
+        """The sink's own section, `sink.<kind>` ({} when absent)."""
+        value = getattr(self, kind) if kind in ("mlflow", "otlp") else (self.model_extra or {}).get(kind)
+        return dict(value or {})
+
+
 class Settings(Section):
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     stream: StreamSettings = Field(default_factory=StreamSettings)
@@ -449,6 +529,8 @@ class Settings(Section):
     prometheus: PrometheusSettings = Field(default_factory=PrometheusSettings)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
     otlp: OtlpSettings = Field(default_factory=OtlpSettings)
+    # `tracejudge sink <kind>` (write-back of verdicts from the results topic).
+    sink: SinkSettings = Field(default_factory=SinkSettings)
     # Computed-metric options and custom metric functions (tracejudge.metrics.computed).
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     # LLM / heuristic judges (tracejudge.metrics.judge_config); no section: no judges run.
@@ -463,9 +545,14 @@ class Settings(Section):
             if isinstance(obj, BaseModel):
                 for name in type(obj).model_fields:
                     walk(f"{prefix}.{name}" if prefix else name, getattr(obj, name))
+                for name, value in (obj.model_extra or {}).items():  # a sink plugin's section
+                    walk(f"{prefix}.{name}" if prefix else name, value)
             elif isinstance(obj, dict) and obj:
                 for key, value in obj.items():
                     walk(f"{prefix}.{key}", value)
+            elif ".headers." in f".{prefix}" and not isinstance(obj, (dict, list)):
+                # HTTP headers (a sink's `headers`) carry credentials under any name.
+                out[prefix] = "**********"
             elif isinstance(obj, SecretStr) or (
                     isinstance(obj, str) and any(h in leaf for h in (*_SECRET_HINTS, "api_key"))
                     and not leaf.endswith(("_file", "_env", "_header", "_provider"))):
@@ -487,12 +574,14 @@ class Settings(Section):
 
 def load_settings(config_file: str | os.PathLike[str] | None = None, *,
                   environ: Mapping[str, str] | None = None,
-                  overrides: Mapping[str, Any] | None = None, offline: bool = False) -> Settings:
+                  overrides: Mapping[str, Any] | None = None, offline: bool = False,
+                  require_topics: bool = True) -> Settings:
     """Build `Settings` from the layers; raises `ConfigError` naming every bad key and its origin.
 
     `overrides` are dotted keys from the command line (`{"stream.topics": [...], "http.port": 9100}`);
-    None values are ignored (flag not given). `offline` (for `tracejudge eval`) does not require
-    topics to consume.
+    None values are ignored (flag not given). `offline` (for `tracejudge eval`) and
+    `require_topics=False` (for `tracejudge sink`, which reads `sink.results_topic`) do not require
+    `stream.topics`.
     """
     data: dict[str, Any] = {}
     origins: dict[tuple[str, ...], str] = {}
@@ -544,12 +633,12 @@ def load_settings(config_file: str | os.PathLike[str] | None = None, *,
         if field.default_factory is not None:
             data.setdefault(name, {})
     try:
-        return Settings.model_validate(data, context={"offline": offline})
+        return Settings.model_validate(data, context={"offline": offline or not require_topics})
     except ValidationError as exc:
         raise ConfigError(_explain(exc, origins)) from None
 
 
-# The flags of `tracejudge run`, for error messages ("from --group-id").
+# The flags of `tracejudge run` and `tracejudge sink`, for error messages ("from --group-id").
 _FLAG_NAMES = {
     "kafka.bootstrap_servers": "--bootstrap-servers",
     "kafka.group_id": "--group-id",
@@ -559,6 +648,10 @@ _FLAG_NAMES = {
     "http.port": "--metrics-port",
     "http.bind_address": "--metrics-bind-address",
     "logging.level": "--log-level",
+    # `tracejudge sink`
+    "sink.group_id": "--group-id",
+    "sink.results_topic": "--results-topic",
+    "sink.dead_letter_topic": "--dead-letter-topic",
 }
 
 

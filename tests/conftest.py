@@ -8,7 +8,7 @@ import pytest
 from support.kafka import shared_broker
 from support.openai_stub import OpenAIStub
 
-from tracejudge.consumer.broker import LocalBroker
+from tracejudge.consumer.demo.broker import LocalBroker
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import os
 import pytest
 from mlflow.entities import SpanType, Trace, TraceState
 
-from tracejudge.consumer.agent import APP_TAG, APPS, AgentSettings, SyntheticRagAgent
+from tracejudge.consumer.demo.agent import APP_TAG, APPS, AgentSettings, SyntheticRagAgent
 
 
 def produce(count: int, **settings: object) -> list:

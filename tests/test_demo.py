@@ -16,9 +16,9 @@ from typing import IO, TypeVar
 import httpx
 import pytest
 
-from tracejudge.consumer.agent import APP_TAG, AgentSettings, SyntheticRagAgent
-from tracejudge.consumer.broker import LocalBroker
-from tracejudge.consumer.demo import AppCounts, ProducerStats, Samples, Summary, histogram_quantile
+from tracejudge.consumer.demo.agent import APP_TAG, AgentSettings, SyntheticRagAgent
+from tracejudge.consumer.demo.broker import LocalBroker
+from tracejudge.consumer.demo.command import AppCounts, ProducerStats, Samples, Summary, histogram_quantile
 from tracejudge.consumer.pipeline import Pipeline
 from tracejudge.metrics.heuristic import HeuristicGroundedness
 from tracejudge.metrics.judge_metrics import JudgeMetrics

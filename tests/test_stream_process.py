@@ -24,8 +24,8 @@ from support.kafka import (
     wait_until,
 )
 
-from tracejudge.consumer.broker import LocalBroker, free_port
 from tracejudge.consumer.decode_workers import auto_workers, available_cpus
+from tracejudge.consumer.demo.broker import LocalBroker, free_port
 
 
 def children(pid: int) -> list[int]:

@@ -27,8 +27,8 @@ import httpx
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
-from tracejudge.consumer.broker import LocalBroker, free_port
 from tracejudge.consumer.config import Settings, load_settings
+from tracejudge.consumer.demo.broker import LocalBroker, free_port
 from tracejudge.consumer.stream import StreamRunner
 
 T = TypeVar("T")
@@ -278,7 +278,7 @@ class RunnerProcess:
 def agent_traces(count: int, seed: int = 11, **settings: Any) -> list[Any]:
     """`AgentTrace`s (trace_id, payload = `Trace.to_json()` bytes) from the demo's agent traced with the
     real MLflow tracing; deterministic for a seed."""
-    from tracejudge.consumer.agent import AgentSettings, SyntheticRagAgent
+    from tracejudge.consumer.demo.agent import AgentSettings, SyntheticRagAgent
 
     with SyntheticRagAgent(AgentSettings(seed=seed, **settings)) as agent:
         return list(agent.traces(count))

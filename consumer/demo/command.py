@@ -1,7 +1,7 @@
 """`tracejudge demo`: a first look with nothing to set up.
 
 It starts a local Kafka-compatible broker (unless `--bootstrap-servers` names one), creates the
-topic, runs the synthetic RAG agent of `tracejudge.consumer.agent` - real MLflow traces, some
+topic, runs the synthetic RAG agent of `tracejudge.consumer.demo.agent` - real MLflow traces, some
 ungrounded, some failing, some calling tools - produces its traces to the topic, and consumes them
 with the real stream runner, which serves Prometheus metrics. A live summary is printed until
 `--duration` seconds pass or Ctrl-C / SIGTERM; then the producer stops, the consumer drains what
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, TextIO
 
-from tracejudge.consumer.agent import APP_TAG
+from tracejudge.consumer.demo.agent import APP_TAG
 
 _log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class TraceProducer(threading.Thread):
     def run(self) -> None:
         from kafka import KafkaProducer
 
-        from tracejudge.consumer.agent import SyntheticRagAgent
+        from tracejudge.consumer.demo.agent import SyntheticRagAgent
 
         try:
             producer = KafkaProducer(bootstrap_servers=self.bootstrap_servers,
@@ -466,9 +466,9 @@ def main(args: argparse.Namespace, out: TextIO | None = None) -> int:
     except DemoUnavailable as exc:
         print(f"tracejudge demo: {exc}", file=sys.stderr)
         return 2
-    from tracejudge.consumer.agent import AgentSettings
-    from tracejudge.consumer.broker import BrokerUnavailable, LocalBroker
     from tracejudge.consumer.config import ConfigError
+    from tracejudge.consumer.demo.agent import AgentSettings
+    from tracejudge.consumer.demo.broker import BrokerUnavailable, LocalBroker
 
     _quiet_client_logs()
     settings = AgentSettings(ungrounded_share=args.ungrounded_share, failure_share=args.failure_share,
