@@ -3,11 +3,15 @@ and each service's own config passes that service's own checker where one is ins
 
 from __future__ import annotations
 
+import gzip
+import importlib.metadata
 import json
 import os
 import re
 import subprocess
 import sys
+import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +21,9 @@ import yaml
 from support.deploy_files import COMPOSE, DASHBOARDS, ROOT, load_yaml, tool
 from support.prometheus_stack import free_port, wait_until
 
-SERVICES = {"kafka", "kafka-init", "otel-collector", "jaeger", "tracejudge", "agent", "prometheus",
-            "alertmanager", "alert-relay", "grafana"}
+SERVICES = {"kafka", "kafka-init", "otel-collector", "jaeger", "mlflow", "tracejudge",
+            "tracejudge-sink-mlflow", "agent", "prometheus", "alertmanager", "alert-relay", "grafana"}
+SINK = "tracejudge-sink-mlflow"
 
 
 def compose() -> dict[str, Any]:
@@ -91,7 +96,7 @@ def test_prometheus_config_passes_promtool_with_the_shipped_rules(tmp_path: Path
     result = subprocess.run([tool("promtool"), "check", "config", str(path)], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 13 rules found" in result.stdout  # the rule file was found through the glob
+    assert "SUCCESS: 14 rules found" in result.stdout  # the rule file was found through the glob
 
 
 def test_prometheus_keeps_exemplars_and_scrapes_the_stack() -> None:
@@ -188,8 +193,10 @@ def test_grafana_provisions_the_datasources_and_the_dashboards() -> None:
     by_uid = {s["uid"]: s for s in sources}
     prometheus = by_uid["prometheus"]
     assert httpx.URL(prometheus["url"]).host in compose()["services"] and prometheus["isDefault"] is True
-    (destination,) = prometheus["jsonData"]["exemplarTraceIdDestinations"]
-    assert destination["name"] == "trace_id" and destination["datasourceUid"] in by_uid
+    link, jaeger = prometheus["jsonData"]["exemplarTraceIdDestinations"]
+    # The exemplar label tracejudge writes (metrics/prometheus.py, metrics/judge_metrics.py).
+    assert link["name"] == jaeger["name"] == "trace_id"
+    assert jaeger["datasourceUid"] in by_uid and by_uid[jaeger["datasourceUid"]]["type"] == "jaeger"
     (provider,) = load_yaml(provisioning / "dashboards" / "tracejudge.yaml")["providers"]
     assert mounted("grafana", provider["options"]["path"]) == DASHBOARDS
     home = service("grafana")["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
@@ -199,6 +206,182 @@ def test_grafana_provisions_the_datasources_and_the_dashboards() -> None:
         assert json.loads(path.read_text())["templating"]["list"][0]["query"] == prometheus["type"]
 
 
-@pytest.mark.parametrize("name", ["kafka", "tracejudge"])
+@pytest.mark.parametrize("name", ["kafka", "tracejudge", SINK, "mlflow"])
 def test_long_running_services_restart(name: str) -> None:
     assert service(name)["restart"] == "unless-stopped"
+
+
+# --- from the alert to the traces: exemplar links, MLflow, the MLflow sink ------------------------------
+
+def exemplar_link() -> str:
+    """The provisioned exemplar URL as Grafana sees it (provisioning turns `$$` into `$`)."""
+    provisioning = mounted("grafana", "/etc/grafana/provisioning")
+    sources = load_yaml(provisioning / "datasources" / "datasources.yaml")["datasources"]
+    prometheus = next(s for s in sources if s["type"] == "prometheus")
+    (url,) = [d["url"] for d in prometheus["jsonData"]["exemplarTraceIdDestinations"] if "url" in d]
+    assert "$" not in url.replace("$$", ""), "an unescaped $ would be read as an environment variable"
+    return url.replace("$$", "$")
+
+
+def render_link(template: str, variables: dict[str, str]) -> str:
+    """Interpolate like Grafana does a data link: `${name:raw}` verbatim, `${name}` URI-encoded."""
+    def one(match: re.Match[str]) -> str:
+        name, fmt = match.group(1), match.group(2)
+        value = variables[name]
+        return value if fmt == "raw" else urllib.parse.quote(value, safe="")
+    return re.sub(r"\$\{([\w.]+)(?::(\w+))?\}", one, template)
+
+
+def trace_url_default(dashboard: str = "tracejudge-quality.json") -> str:
+    variables = json.loads((DASHBOARDS / dashboard).read_text())["templating"]["list"]
+    return next(v["query"] for v in variables if v["name"] == "trace_url")
+
+
+def mlflow_flags() -> dict[str, str]:
+    command = service("mlflow")["command"]
+    assert command[:2] == ["mlflow", "server"]
+    return dict(arg.removeprefix("--").split("=", 1) for arg in command[2:])
+
+
+def test_exemplars_link_through_the_dashboards_trace_url_variable() -> None:
+    template = exemplar_link()
+    # `:raw`: Grafana URI-encodes variables in link URLs by default, which would mangle the URL.
+    assert template == "${trace_url:raw}${__value.raw}"
+    for path in DASHBOARDS.glob("*.json"):
+        assert trace_url_default(path.name) == trace_url_default()
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    url = httpx.URL(render_link(template, {"trace_url": trace_url_default(), "__value.raw": trace_id}))
+    # The MLflow UI of the compose stack, on the host; MLflow names the OTLP trace `tr-<hex>`.
+    assert (url.host, url.port) == ("localhost", int(service("mlflow")["ports"][0].split(":")[0]))
+    assert url.fragment == f"/experiments/0/traces?selectedEvaluationId=tr-{trace_id}"
+    # Jaeger instead: the same template with the variable set to Jaeger's trace page.
+    jaeger = render_link(template, {"trace_url": "http://localhost:16686/trace/", "__value.raw": trace_id})
+    assert jaeger == f"http://localhost:16686/trace/{trace_id}"
+
+
+def test_mlflow_server_matches_the_projects_mlflow_and_keeps_its_store_on_a_volume() -> None:
+    image = service("mlflow")["image"]
+    assert image == f"ghcr.io/mlflow/mlflow:v{importlib.metadata.version('mlflow-skinny')}"
+    flags = mlflow_flags()
+    assert flags["backend-store-uri"].startswith("sqlite:////mlflow/")  # assessments need a SQL store
+    assert flags["host"] == "0.0.0.0"
+    assert "mlflow-data:/mlflow" in service("mlflow")["volumes"] and "mlflow-data" in compose()["volumes"]
+    assert service("mlflow")["ports"] == [f"{flags['port']}:{flags['port']}"]
+
+
+def test_the_sink_runs_the_tracejudge_image_as_its_own_consumer_group() -> None:
+    sink, evaluator = service(SINK), service("tracejudge")
+    assert sink["image"] == evaluator["image"] and sink["build"] == evaluator["build"]
+    assert sink["entrypoint"] == ["tracejudge", "sink", "mlflow"]
+    args = sink["command"]
+    assert args[args.index("--config") + 1] == "/etc/tracejudge/config.yaml"
+    config = "/etc/tracejudge/config.yaml"
+    assert mounted(SINK, config) == mounted("tracejudge", config)
+    group = tracejudge_config()["sink"]["group_id"]
+    assert group == "tracejudge-sink-mlflow" != tracejudge_config()["kafka"]["group_id"]
+    assert sink["depends_on"]["mlflow"] == {"condition": "service_healthy"}
+    assert int(sink["stop_grace_period"].removesuffix("s")) >= \
+        tracejudge_config()["stream"]["shutdown_grace_seconds"] + 10
+
+
+def test_the_sink_writes_to_the_mlflow_service_and_reads_the_results_topic() -> None:
+    config = tracejudge_config()
+    sink = config["sink"]
+    uri = httpx.URL(sink["mlflow"]["tracking_uri"])
+    assert uri.host == "mlflow" and uri.port == int(mlflow_flags()["port"])
+    allowed = mlflow_flags()["allowed-hosts"].split(",")
+    assert f"{uri.host}:{uri.port}" in allowed  # MLflow rejects other Host headers
+    assert sink["results_topic"] == config["stream"]["results_topic"]
+    assert sink["dead_letter_topic"] in service("kafka-init")["environment"]["TOPICS"].split()
+    assert not {"token", "password"} & set(sink["mlflow"]), "a literal secret in the config file"
+
+
+def test_prometheus_scrapes_the_sink() -> None:
+    config = load_yaml(COMPOSE / "prometheus.yml")
+    jobs = {job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
+            for job in config["scrape_configs"]}
+    port = tracejudge_config()["http"]["port"]
+    assert jobs[SINK] == [f"{SINK}:{port}"]
+    (published,) = service(SINK)["ports"]
+    assert published.endswith(f":{port}") and published != f"{port}:{port}"
+
+
+def test_collector_sends_every_trace_to_mlflow_too() -> None:
+    collector = load_yaml(mounted("otel-collector", "/etc/otelcol-contrib/config.yaml"))
+    exporter = collector["exporters"]["otlphttp/mlflow"]
+    endpoint = httpx.URL(exporter["traces_endpoint"])
+    assert (endpoint.host, endpoint.port) == ("mlflow", int(mlflow_flags()["port"]))
+    assert endpoint.path == "/v1/traces"
+    assert "otlphttp/mlflow" in collector["service"]["pipelines"]["traces"]["exporters"]
+    # The experiment the traces land in is the one the dashboards' trace link opens.
+    experiment = exporter["headers"]["x-mlflow-experiment-id"]
+    assert f"/#/experiments/{experiment}/traces?" in trace_url_default()
+
+
+def test_the_compose_mlflow_command_ingests_otlp_and_takes_assessments(tmp_path: Path) -> None:
+    """Run the compose service's `mlflow server` flags (paths and port moved here) with this
+    environment's MLflow: the collector's OTLP export and the sink's write go through with their
+    Host header, a trace lands as `tr-<hex>`, and a Host not allowed is refused."""
+    flags = mlflow_flags()
+    port = free_port()
+    flags.update({"backend-store-uri": f"sqlite:///{tmp_path}/mlflow.db",
+                  "artifacts-destination": str(tmp_path / "artifacts"), "host": "127.0.0.1",
+                  "port": str(port)})
+    server = subprocess.Popen([tool("mlflow"), "server", *(f"--{k}={v}" for k, v in flags.items())],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: httpx.get(f"{base}/health", timeout=2).status_code == 200, 120, "mlflow to serve")
+        collector = load_yaml(mounted("otel-collector", "/etc/otelcol-contrib/config.yaml"))
+        exporter = collector["exporters"]["otlphttp/mlflow"]
+        host = httpx.URL(exporter["traces_endpoint"]).netloc.decode()
+        trace_id, span_id = os.urandom(16), os.urandom(8)
+        request = otlp_request(trace_id, span_id)
+        response = httpx.post(f"{base}/v1/traces", content=gzip.compress(request),
+                              headers={**exporter["headers"], "Host": host, "Content-Encoding": "gzip",
+                                       "Content-Type": "application/x-protobuf"}, timeout=30)
+        assert response.status_code == 200, response.text
+        mlflow_id = "tr-" + trace_id.hex()
+        sink_host = httpx.URL(tracejudge_config()["sink"]["mlflow"]["tracking_uri"]).netloc.decode()
+        got = httpx.get(f"{base}/api/3.0/mlflow/traces/{mlflow_id}", headers={"Host": sink_host}, timeout=30)
+        assert got.status_code == 200, got.text
+        location = got.json()["trace"]["trace_info"]["trace_location"]["mlflow_experiment"]
+        assert location["experiment_id"] == exporter["headers"]["x-mlflow-experiment-id"]
+        assessment = {"assessment": {"assessment_name": "groundedness", "trace_id": mlflow_id,
+                                     "span_id": span_id.hex(), "rationale": "no document states it",
+                                     "source": {"source_type": "LLM_JUDGE", "source_id": "tracejudge"},
+                                     "feedback": {"value": "no"}}}
+        written = httpx.post(f"{base}/api/3.0/mlflow/traces/{mlflow_id}/assessments", json=assessment,
+                             headers={"Host": sink_host}, timeout=30)
+        assert written.status_code == 200, written.text
+        refused = httpx.get(f"{base}/api/3.0/mlflow/traces/{mlflow_id}", headers={"Host": "elsewhere:5000"},
+                            timeout=30)
+        assert refused.status_code == 403
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def otlp_request(trace_id: bytes, span_id: bytes) -> bytes:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+    from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+    from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+
+    end = time.time_ns()
+    operation = KeyValue(key="gen_ai.operation.name", value=AnyValue(string_value="invoke_agent"))
+    span = Span(trace_id=trace_id, span_id=span_id, name="invoke_agent", start_time_unix_nano=end - 10**9,
+                end_time_unix_nano=end, attributes=[operation])
+    resource = Resource(attributes=[KeyValue(key="service.name", value=AnyValue(string_value="shop"))])
+    return ExportTraceServiceRequest(resource_spans=[ResourceSpans(
+        resource=resource, scope_spans=[ScopeSpans(spans=[span])])]).SerializeToString()
+
+
+def test_the_sink_accepts_the_compose_config() -> None:
+    path = mounted(SINK, "/etc/tracejudge/config.yaml")
+    check = subprocess.run([sys.executable, "-m", "tracejudge.consumer.cli", "sink", "mlflow", "--config",
+                            str(path), "--check-config"],
+                           capture_output=True, text=True, timeout=60,
+                           env={k: v for k, v in os.environ.items()
+                                if not k.startswith(("TRACEJUDGE_", "MLFLOW_"))})
+    assert check.returncode == 0, check.stderr

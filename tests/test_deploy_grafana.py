@@ -9,9 +9,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
-from support.deploy_files import DASHBOARDS, METRICS, deploy_module, family_of, recording_rules, tool
+from support.deploy_files import (
+    DASHBOARDS,
+    METRICS,
+    SINK_METRICS,
+    deploy_module,
+    family_of,
+    recording_rules,
+    tool,
+)
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 EXEMPLAR_FAMILIES = {"tracejudge_trace_latency_seconds", "tracejudge_judge_score"}
@@ -27,6 +36,10 @@ def dashboards() -> dict[str, dict[str, Any]]:
 
 def panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
     return [p for p in dashboard["panels"] if p["type"] != "row"]
+
+
+def query_variables(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    return [v for v in dashboard["templating"]["list"] if v["type"] == "query"]
 
 
 def families(expr: str) -> set[str]:
@@ -59,7 +72,7 @@ def test_datasource_is_a_variable_everywhere(name: str) -> None:
         assert panel["datasource"] == DATASOURCE, panel["title"]
         for target in panel["targets"]:
             assert target["datasource"] == DATASOURCE, panel["title"]
-    for variable in variables[1:]:
+    for variable in query_variables(d):
         assert variable["datasource"] == DATASOURCE, variable["name"]
     # No datasource is named any other way (an exported-for-sharing ${DS_...} would not provision).
     text = json.dumps(d)
@@ -80,7 +93,7 @@ def test_every_panel_queries_contract_metrics_or_recording_rules(name: str) -> N
 
 @pytest.mark.parametrize("name", sorted(dashboards()))
 def test_variable_queries_read_contract_metrics(name: str) -> None:
-    for variable in dashboards()[name]["templating"]["list"][1:]:
+    for variable in query_variables(dashboards()[name]):
         match = re.fullmatch(r"label_values\((\w+)(\{.*\})?, (\w+)\)", variable["definition"])
         assert match, variable["definition"]
         family = family_of(match.group(1))
@@ -125,6 +138,34 @@ def test_histograms_with_trace_id_exemplars_ask_for_them() -> None:
     assert seen == EXEMPLAR_FAMILIES
 
 
+@pytest.mark.parametrize("name", sorted(dashboards()))
+def test_every_variable_is_the_datasource_a_label_query_or_the_trace_link(name: str) -> None:
+    kinds = [(v["name"], v["type"]) for v in dashboards()[name]["templating"]["list"]]
+    assert kinds[0] == ("datasource", "datasource") and kinds[-1] == ("trace_url", "textbox")
+    assert {kind for _, kind in kinds[1:-1]} == {"query"}
+
+
+@pytest.mark.parametrize("name", sorted(dashboards()))
+def test_trace_link_variable_defaults_to_the_mlflow_trace_view(name: str) -> None:
+    """Exemplar links end in the exemplar's trace id: MLflow 3 names an OpenTelemetry trace
+    `tr-<32 hex>` and opens it in the experiment's Traces tab with `selectedEvaluationId`."""
+    (variable,) = [v for v in dashboards()[name]["templating"]["list"] if v["name"] == "trace_url"]
+    default = variable["query"]
+    assert variable["current"]["value"] == default and variable["hide"] == 0
+    url = httpx.URL(default)
+    assert url.scheme == "http" and url.port == 5000  # the compose stack's MLflow, published on the host
+    assert re.fullmatch(r"/experiments/\d+/traces\?selectedEvaluationId=tr-", url.fragment), url.fragment
+    # The link is completed by appending the trace id: the default must end where the id goes.
+    assert default.endswith("selectedEvaluationId=tr-")
+
+
+def test_exemplar_panels_say_where_the_dots_lead() -> None:
+    for d in dashboards().values():
+        for panel in panels(d):
+            if any(t["exemplar"] for t in panel["targets"]):
+                assert "exemplars link to the trace" in panel["title"], panel["title"]
+
+
 def read_by_dashboard() -> dict[str, set[str]]:
     return {d["uid"]: {f for p in panels(d) for t in p["targets"] for f in families(t["expr"])}
             for d in dashboards().values()}
@@ -149,6 +190,20 @@ def test_operations_dashboard_covers_traffic_latency_tokens_judges_and_kafka() -
     latency = [t["expr"] for p in panels(dashboards()["tracejudge-operations.json"]) for t in p["targets"]
                if "tracejudge_trace_latency_seconds_bucket" in t["expr"]]
     assert {re.match(r"histogram_quantile\(([\d.]+)", e).group(1) for e in latency} == {"0.5", "0.95", "0.99"}
+
+
+def test_operations_dashboard_has_a_write_back_row() -> None:
+    operations = dashboards()["tracejudge-operations.json"]
+    titles = [p["title"] for p in operations["panels"]]
+    row = titles.index("Write-back (tracejudge sink)")
+    below = {f for p in operations["panels"][row + 1:] for t in p.get("targets", [])
+             for f in families(t["expr"])}
+    assert set(SINK_METRICS) <= below
+    assert operations["panels"][row]["type"] == "row"
+    lag = next(t["expr"] for p in operations["panels"][row + 1:] for t in p["targets"]
+               if "tracejudge_sink_lag_records" in t["expr"])
+    assert lag.startswith("sum by (sink) (")  # the sum WriteBackLagging alerts on
+    assert {"sink"} <= {v["name"] for v in query_variables(operations)}
 
 
 def test_every_contract_metric_is_on_some_dashboard() -> None:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -24,8 +25,25 @@ KUBERNETES_VERSIONS = ["1.29", kubernetes_validate.latest_version()]
 MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
 
 
+EVALUATOR, SINK = "tracejudge", "tracejudge-sink-mlflow"
+
+
+def documents() -> list[dict[str, Any]]:
+    return [doc for path in MANIFESTS for doc in load_yaml_documents(path)]
+
+
 def resources() -> dict[str, dict[str, Any]]:
-    return {doc["kind"]: doc for path in MANIFESTS for doc in load_yaml_documents(path)}
+    """One resource per kind; for Deployments, the evaluator's (the sink's: `sink_deployment()`)."""
+    return {doc["kind"]: doc for doc in documents()
+            if doc["kind"] != "Deployment" or doc["metadata"]["name"] == EVALUATOR}
+
+
+def deployments() -> dict[str, dict[str, Any]]:
+    return {doc["metadata"]["name"]: doc for doc in documents() if doc["kind"] == "Deployment"}
+
+
+def sink_deployment() -> dict[str, Any]:
+    return deployments()[SINK]
 
 
 def closed(properties: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -130,8 +148,7 @@ def test_kustomization_lists_every_manifest() -> None:
 
 
 def test_everything_lives_in_one_namespace() -> None:
-    namespaces = {doc["metadata"].get("namespace") for kind, doc in resources().items()
-                  if kind != "Namespace"}
+    namespaces = {doc["metadata"].get("namespace") for doc in documents() if doc["kind"] != "Namespace"}
     assert namespaces == {resources()["Namespace"]["metadata"]["name"]}
 
 
@@ -201,13 +218,25 @@ def test_configmap_config_passes_tracejudge_check_config(tmp_path: Path) -> None
     assert settings.judges is not None and settings.judges.endpoints["default"].api_key_file
 
 
-def test_podmonitor_scrapes_the_deployment_pods() -> None:
-    monitor, deployment = resources()["PodMonitor"], resources()["Deployment"]
+@pytest.mark.parametrize("name", [EVALUATOR, SINK])
+def test_podmonitor_scrapes_the_deployment_pods(name: str) -> None:
+    monitor, deployment = resources()["PodMonitor"], deployments()[name]
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-    assert endpoint["port"] == container()["ports"][0]["name"] and endpoint["path"] == "/metrics"
+    (only,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert endpoint["port"] == only["ports"][0]["name"] and endpoint["path"] == "/metrics"
+
+
+def test_deployment_selectors_do_not_overlap() -> None:
+    # Two Deployments selecting each other's pods would fight over them.
+    for name, deployment in deployments().items():
+        selector = deployment["spec"]["selector"]["matchLabels"].items()
+        for other_name, other in deployments().items():
+            if other_name != name:
+                assert not selector <= other["spec"]["template"]["metadata"]["labels"].items(), \
+                    f"{name} selects the pods of {other_name}"
 
 
 def test_keda_scales_the_deployment_on_the_consumer_groups_lag() -> None:
@@ -228,3 +257,85 @@ def test_keda_scales_the_deployment_on_the_consumer_groups_lag() -> None:
     assert int(meta["lagThreshold"]) > 0
     behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
     assert behavior["stabilizationWindowSeconds"] >= 300, "every scale step is a rebalance: damp scale-down"
+
+
+# --- the MLflow sink ------------------------------------------------------------------------------------
+
+def sink_config() -> dict[str, Any]:
+    return yaml.safe_load(resources()["ConfigMap"]["data"]["sink-mlflow.yaml"])
+
+
+def sink_container() -> dict[str, Any]:
+    (only,) = sink_deployment()["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def test_sink_runs_the_evaluators_image_as_tracejudge_sink_mlflow() -> None:
+    c = sink_container()
+    assert c["image"] == container()["image"]
+    assert c["command"] == ["tracejudge", "sink", "mlflow"]
+    assert c["args"] == ["--config", "/etc/tracejudge/config.yaml"]
+    volumes = sink_deployment()["spec"]["template"]["spec"]["volumes"]
+    volume = next(v for v in volumes if v["name"] == "config")
+    assert volume["configMap"] == {"name": resources()["ConfigMap"]["metadata"]["name"],
+                                   "items": [{"key": "sink-mlflow.yaml", "path": "config.yaml"}]}
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "config")
+    assert mount == {"name": "config", "mountPath": "/etc/tracejudge", "readOnly": True}
+
+
+def test_sink_probes_metrics_port_and_drain() -> None:
+    c = sink_container()
+    (port,) = c["ports"]
+    assert port == {"name": "metrics", "containerPort": sink_config()["http"]["port"], "protocol": "TCP"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert c["startupProbe"]["httpGet"]["path"] == "/healthz"
+    assert sink_deployment()["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 40
+
+
+def test_sink_pod_runs_as_unprivileged_as_the_evaluator() -> None:
+    pod = sink_deployment()["spec"]["template"]["spec"]
+    assert pod["securityContext"] == pod_spec()["securityContext"]
+    assert pod["automountServiceAccountToken"] is False
+    c = sink_container()
+    assert c["securityContext"] == container()["securityContext"]
+    assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"]
+    assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+
+
+def test_sink_reads_the_evaluators_results_as_its_own_group() -> None:
+    sink, evaluator = sink_config(), config()
+    assert sink["kafka"]["bootstrap_servers"] == evaluator["kafka"]["bootstrap_servers"]
+    assert sink["sink"]["group_id"] == SINK != evaluator["kafka"]["group_id"]
+    assert sink["sink"]["results_topic"] == evaluator["stream"]["results_topic"]
+    assert sink["sink"]["dead_letter_topic"] not in {evaluator["stream"]["results_topic"],
+                                                     evaluator["stream"]["dead_letter_topic"]}
+    assert "judges" not in sink, "the sink pod has no judge key and needs no judge configuration"
+
+
+def test_mlflow_credentials_come_from_a_secret_through_the_environment() -> None:
+    env = {e["name"]: e for e in sink_container()["env"]}
+    for name in ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        ref = env[name]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == "tracejudge-mlflow-auth" and ref["optional"] is True, name
+        assert "value" not in env[name]
+    mlflow = sink_config()["sink"]["mlflow"]
+    assert httpx.URL(mlflow["tracking_uri"]).scheme in ("http", "https")
+    assert not {"token", "username", "password"} & set(mlflow), "a literal credential in the ConfigMap"
+    text = resources()["ConfigMap"]["data"]["sink-mlflow.yaml"]
+    assert "MLFLOW_TRACKING_TOKEN" in text  # says where the token comes from
+
+
+def test_keda_scales_only_the_evaluator() -> None:
+    assert resources()["ScaledObject"]["spec"]["scaleTargetRef"]["name"] == EVALUATOR
+
+
+def test_sink_config_passes_tracejudge_sink_check_config(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(resources()["ConfigMap"]["data"]["sink-mlflow.yaml"])
+    check = subprocess.run([sys.executable, "-m", "tracejudge.consumer.cli", "sink", "mlflow", "--config",
+                            str(path), "--check-config"], capture_output=True, text=True, timeout=60,
+                           env={k: v for k, v in os.environ.items()
+                                if not k.startswith(("TRACEJUDGE_", "MLFLOW_"))})
+    assert check.returncode == 0, check.stderr
+

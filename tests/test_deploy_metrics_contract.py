@@ -4,27 +4,78 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
-from support.deploy_files import METRICS
+from support.deploy_files import RUN_METRICS, SINK_METRICS
 
 from tracejudge.metrics.assembly_metrics import AssemblyMetrics
 from tracejudge.metrics.judge_metrics import JudgeMetrics
 from tracejudge.metrics.prometheus import PrometheusExporter
 
 
-def exported() -> dict[str, tuple[str, tuple[str, ...]]]:
-    """name (counters with `_total`) -> (type, label names) of every family the exporters register."""
-    registry = CollectorRegistry()
-    families = {}
-    for owner in (PrometheusExporter(registry), JudgeMetrics(registry), AssemblyMetrics(registry)):
+def families(*owners: object) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """name (counters with `_total`) -> (type, label names) of every family the owners registered."""
+    out = {}
+    for owner in owners:
         for metric in vars(owner).values():
             if isinstance(metric, MetricWrapperBase):
                 name = metric._name + ("_total" if metric._type == "counter" else "")
-                families[name] = (metric._type, tuple(metric._labelnames))
-    return families
+                out[name] = (metric._type, tuple(metric._labelnames))
+    return out
+
+
+def exported() -> dict[str, tuple[str, tuple[str, ...]]]:
+    registry = CollectorRegistry()
+    return families(PrometheusExporter(registry), JudgeMetrics(registry), AssemblyMetrics(registry))
 
 
 def test_every_contract_metric_is_exported_with_its_labels() -> None:
     real = exported()
-    for name, family in METRICS.items():
+    for name, family in RUN_METRICS.items():
         assert name in real, f"{name} is queried by the dashboards/rules but not exported"
         assert real[name] == (family.type, family.labels), f"{name}: exported as {real[name]}"
+
+
+def sink_families() -> dict[str, dict[str, tuple[str, tuple[str, ...]]]]:
+    """Per sink kind, the families its class registers (no connection is made: `setup` is not called)."""
+    from tracejudge.consumer.writeback.mlflow import MlflowSink, MlflowSinkSettings
+    from tracejudge.consumer.writeback.otlp import OtlpSink, OtlpSinkSettings
+
+    out = {}
+    for kind, sink in (
+        ("mlflow", MlflowSink(MlflowSinkSettings.from_mapping({"tracking_uri": "http://127.0.0.1:9"}, env={}),
+                              CollectorRegistry())),
+        ("otlp", OtlpSink(OtlpSinkSettings.from_mapping({}, env={}), CollectorRegistry())),
+    ):
+        try:
+            out[kind] = families(sink)
+        finally:
+            sink.close()
+    return out
+
+
+def test_each_sink_exports_its_contract_metrics_with_their_labels() -> None:
+    # The runtime side (lag, batches, dead letters) is exported by the sink runtime, not the sink.
+    own = {"tracejudge_sink_writes_total", "tracejudge_sink_skipped_total", "tracejudge_sink_retries_total"}
+    for kind, real in sink_families().items():
+        for name in own:
+            family = SINK_METRICS[name]
+            assert name in real, f"sink {kind} does not export {name}"
+            assert real[name] == (family.type, family.labels), f"{kind}: {name} exported as {real[name]}"
+
+
+def test_the_sink_runtime_exports_lag_batches_and_dead_letters_with_their_labels() -> None:
+    from tracejudge.consumer.sink_stage import SinkMetrics
+
+    real = families(SinkMetrics(CollectorRegistry(), "mlflow"))
+    for name in ("tracejudge_sink_lag_records", "tracejudge_sink_batches_total",
+                 "tracejudge_sink_dead_letters_total"):
+        family = SINK_METRICS[name]
+        assert name in real, f"the sink runtime does not export {name}"
+        assert real[name] == (family.type, family.labels), f"{name}: exported as {real[name]}"
+
+
+def test_every_sink_contract_metric_has_an_exporter() -> None:
+    from tracejudge.consumer.sink_stage import SinkMetrics
+
+    runtime = families(SinkMetrics(CollectorRegistry(), "otlp"))
+    for kind, real in sink_families().items():
+        assert set(SINK_METRICS) <= set(real) | set(runtime), kind

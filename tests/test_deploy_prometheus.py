@@ -15,6 +15,7 @@ import pytest
 import yaml
 from support.deploy_files import (
     ALERTMANAGER,
+    ROOT,
     RULE_TESTS,
     RULES,
     alerts,
@@ -27,6 +28,7 @@ from support.deploy_files import (
 )
 
 ALERT_NAMES = [a["alert"] for a in alerts()]
+README = ROOT / "README.md"
 RULE_TEST_FILES = sorted(RULE_TESTS.glob("*.test.yml"))
 
 
@@ -50,9 +52,9 @@ def test_rule_file_passes_promtool_check() -> None:
     assert f"SUCCESS: {sum(len(g['rules']) for g in rule_groups())} rules found" in result.stdout
 
 
-def test_the_five_alerts_exist_with_severity_and_annotations() -> None:
+def test_the_six_alerts_exist_with_severity_and_annotations() -> None:
     assert sorted(ALERT_NAMES) == sorted(["GroundednessDropped", "JudgeErrorsHigh", "EvaluationsMissing",
-                                          "ConsumerLagHigh", "DeadLettersRising"])
+                                          "ConsumerLagHigh", "DeadLettersRising", "WriteBackLagging"])
     for alert in alerts():
         name = alert["alert"]
         assert alert["labels"]["severity"] in ("critical", "warning"), name
@@ -148,6 +150,39 @@ def test_groundedness_fires_without_a_baseline_is_tested(tmp_path: Path) -> None
     # Inverting the "no usable baseline" branch silences brand-new apps: the unit test must notice.
     result = mutated_run(tmp_path, "GroundednessDropped", "unless on (app, judge)", "and on (app, judge)")
     assert result.returncode != 0 and 'app="fresh"' in result.stdout + result.stderr
+
+
+def test_write_back_lag_summed_over_replicas_is_tested(tmp_path: Path) -> None:
+    # Per replica the mlflow sink is 6000 behind, together 12000: without the sum nothing fires.
+    result = mutated_run(tmp_path, "WriteBackLagging", "sum by (sink) (tracejudge_sink_lag_records)",
+                         "tracejudge_sink_lag_records")
+    assert result.returncode != 0 and 'sink="mlflow"' in result.stdout + result.stderr
+
+
+def test_write_back_lagging_waits_fifteen_minutes_and_is_tested(tmp_path: Path) -> None:
+    (alert,) = [a for a in alerts() if a["alert"] == "WriteBackLagging"]
+    assert alert["for"] == "15m" and alert["labels"]["severity"] == "warning"
+    # A shorter `for:` (a burst pages, a steady lag pages early) must fail the unit test.
+    doc = load_yaml(RULES)
+    for group in doc["groups"]:
+        for rule in group["rules"]:
+            if rule.get("alert") == "WriteBackLagging":
+                rule["for"] = "1m"
+    (tmp_path / "rules").mkdir()
+    (tmp_path / "rules" / RULES.name).write_text(yaml.safe_dump(doc, sort_keys=False))
+    (tmp_path / "tests").mkdir()
+    shutil.copy(RULE_TESTS / "write_back_lagging.test.yml", tmp_path / "tests")
+    result = run(tool("promtool"), "test", "rules", "write_back_lagging.test.yml", cwd=tmp_path / "tests")
+    assert result.returncode != 0 and "FAILED" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("alert", ALERT_NAMES)
+def test_each_runbook_is_a_readme_section(alert: str) -> None:
+    # GitHub's anchor for "### WriteBackLagging" is #writebacklagging.
+    headings = {line.lstrip("#").strip().lower() for line in README.read_text().splitlines()
+                if line.startswith("### ")}
+    (rule,) = [a for a in alerts() if a["alert"] == alert]
+    assert rule["annotations"]["runbook"].removeprefix("README.md#") in headings
 
 
 # --- the fast-clock derivation ----------------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 from kafka import KafkaProducer
-from support.deploy_files import RULES, deploy_module
+from support.deploy_files import RULES, SINK_METRICS, deploy_module, family_of
 from support.kafka import RunnerProcess, agent_traces, shared_broker, unique
 from support.openai_stub import OpenAIStub, Reply, StubRequest
 from support.otel_producers import Producer, genai_trace, kafka_messages
@@ -34,7 +34,7 @@ from support.prometheus_stack import (
     wait_until,
 )
 
-from tracejudge.consumer.agent import APP_TAG
+from tracejudge.consumer.demo.agent import APP_TAG
 
 APP = "support-bot"
 # Dashboard queries run with these: the scrape is 1 s, so 15 s holds a dozen samples, and the
@@ -128,11 +128,13 @@ def runner_config(path: Path, stub: OpenAIStub, topics: tuple[str, str], dead_le
 
 
 def dashboard_queries() -> dict[str, str]:
-    """Every dashboard panel query, variables filled and the one-day offset shortened."""
+    """Every dashboard panel query of `tracejudge run`'s metrics, variables filled and the one-day
+    offset shortened. The write-back panels read `tracejudge sink` metrics; no sink runs here."""
     promql, shorten = deploy_module("grafana/promql.py"), deploy_module("prometheus/shorten.py")
     return {f"{q.dashboard} / {q.panel} / {q.ref_id}":
             shorten.shorten_expr(q.resolved(RATE_INTERVAL), DASHBOARD_CLOCK)
-            for q in promql.all_queries()}
+            for q in promql.all_queries()
+            if not {family_of(n) for n in promql.metric_names(q.expr)} & set(SINK_METRICS)}
 
 
 def groundedness(prom: PrometheusServer) -> float | None:

@@ -6,6 +6,13 @@ follows (a test holds them): fixed dashboard uids, the Prometheus datasource is 
 variable (so one file works in every Grafana, provisioned or imported), every panel that is not a row
 has at least one PromQL target, and histogram panels ask for exemplars, which carry the trace id.
 
+Exemplar links: Grafana takes them from the Prometheus *datasource* (`exemplarTraceIdDestinations`),
+never from panel data links (a panel's field config is not applied to exemplar frames). The
+dashboards carry a `trace_url` textbox variable, the trace UI's address up to the trace id (default:
+MLflow's trace view); a destination whose URL is `${trace_url:raw}${__value.raw}` turns every exemplar
+into a link to its trace (deploy/compose/grafana/provisioning/datasources/datasources.yaml, README
+"From an exemplar to the trace").
+
     python deploy/grafana/build_dashboards.py          # rewrite the JSON files
     python deploy/grafana/build_dashboards.py --check  # exit 1 if a checked-in file is stale
 """
@@ -23,6 +30,11 @@ OUT = Path(__file__).resolve().parent / "dashboards"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 SCHEMA_VERSION = 39
 RATE = "$__rate_interval"
+# The trace UI's address up to the trace id, which the exemplar link appends (`${__value.raw}`, the
+# exemplar's trace_id: 32 hex digits). MLflow 3 stores an OpenTelemetry trace as `tr-<hex>` and opens
+# it in the experiment's Traces tab with `selectedEvaluationId`; the trace is fetched by its id, so
+# experiment 0 (where the compose collector sends OTLP traces) works as the page behind the drawer.
+MLFLOW_TRACE_URL = "http://localhost:5000/#/experiments/0/traces?selectedEvaluationId=tr-"
 
 Json = dict[str, Any]
 
@@ -47,6 +59,21 @@ def label_variable(name: str, label: str, metric_selector: str) -> Json:
         "refresh": 2, "sort": 1, "regex": "", "hide": 0, "multi": True, "includeAll": True,
         "allValue": ".*", "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
         "options": [], "skipUrlSync": False,
+    }
+
+
+def trace_url_variable(default: str = MLFLOW_TRACE_URL) -> Json:
+    """A textbox: the trace UI's URL up to the trace id. Exemplar links (configured on the datasource
+    as `${trace_url:raw}${__value.raw}`) read it, so each dashboard viewer can point them elsewhere
+    (Jaeger: `http://jaeger:16686/trace/`) or set it with `?var-trace_url=...`."""
+    return {
+        "name": "trace_url", "label": "Trace link (URL before the trace id)", "type": "textbox",
+        "query": default, "current": {"selected": False, "text": default, "value": default},
+        "options": [{"selected": True, "text": default, "value": default}],
+        "hide": 0, "skipUrlSync": False,
+        "description": "Exemplar dots link to <this URL><trace id>. MLflow: <mlflow>/#/experiments/<id>/"
+                       "traces?selectedEvaluationId=tr- ; Jaeger: <jaeger>/trace/ . "
+                       "See README, From an exemplar to the trace.",
     }
 
 
@@ -149,7 +176,8 @@ def quality() -> Json:
         "tracejudge-quality", "tracejudge / Quality",
         "LLM-as-judge verdicts and computed metrics per app: pass rates, scores, coverage, judge health.",
         [label_variable("app", "app", "tracejudge_judge_verdicts_total"),
-         label_variable("judge", "judge", 'tracejudge_judge_verdicts_total{app=~"$app"}')],
+         label_variable("judge", "judge", 'tracejudge_judge_verdicts_total{app=~"$app"}'),
+         trace_url_variable()],
         [
             row("Pass rate"),
             timeseries("Pass rate per judge and app (5m)",
@@ -171,7 +199,9 @@ def quality() -> Json:
                     "Judge scores in [0, 1] over time (the buckets of tracejudge_judge_score).",
                     f"sum by (le) (increase(tracejudge_judge_score_bucket{{{sel}}}[{RATE}]))"),
             timeseries("Judge score p10 / p50 (exemplars link to the trace)",
-                       "Low tail and median score per judge; exemplar dots carry a judged trace's trace_id.",
+                       "Low tail and median score per judge. Each dot is one judged trace at its score "
+                       "(dots near 0 failed): hover it and open the trace, with the verdict and its "
+                       "rationale written back on it (the trace_url variable sets where).",
                        [target(quantile(0.1, "tracejudge_judge_score", "judge", sel), "p10 {{judge}}",
                                exemplar=True),
                         target(quantile(0.5, "tracejudge_judge_score", "judge", sel), "p50 {{judge}}",
@@ -206,15 +236,18 @@ def quality() -> Json:
 
 
 def operations() -> Json:
-    app, topic, judge = 'app=~"$app"', 'topic=~"$topic"', 'judge=~"$judge"'
+    app, topic, judge, sink = 'app=~"$app"', 'topic=~"$topic"', 'judge=~"$judge"', 'sink=~"$sink"'
     traces = "tracejudge_traces_total"
     failed = sum_rate(traces, "app", app + ', status="error"')
     return dashboard(
         "tracejudge-operations", "tracejudge / Operations",
-        "Traffic, latency, tokens and failures of the evaluated agents; judge cost; Kafka consumption.",
+        "Traffic, latency, tokens and failures of the evaluated agents; judge cost; Kafka consumption; "
+        "writing verdicts back onto traces (tracejudge sink).",
         [label_variable("app", "app", traces),
          label_variable("topic", "topic", "tracejudge_records_total"),
-         label_variable("judge", "judge", "tracejudge_judge_duration_seconds_count")],
+         label_variable("judge", "judge", "tracejudge_judge_duration_seconds_count"),
+         label_variable("sink", "sink", "tracejudge_sink_lag_records"),
+         trace_url_variable()],
         [
             row("Agent traffic"),
             timeseries("Traces per second", "Evaluated traces by app and status.",
@@ -279,6 +312,41 @@ def operations() -> Json:
             timeseries("Assembled traces emitted by reason",
                        "Why a trace was taken as complete (root seen, idle timeout, evicted at a limit).",
                        [target(sum_rate("tracejudge_assembly_traces_emitted_total", "reason"), "{{reason}}")],
+                       unit="reqps"),
+            row("Write-back (tracejudge sink)"),
+            timeseries("Sink lag (results not yet written back)",
+                       "Records between each sink's position on the results topic and its end, summed "
+                       "over partitions and replicas (WriteBackLagging: > 10000 for 15 minutes).",
+                       [target(f"sum by (sink) (tracejudge_sink_lag_records{{{sink}}})", "{{sink}}")],
+                       unit="short"),
+            timeseries("Verdicts written back per second by outcome",
+                       "written: a new assessment/event; already_written: found on the trace already "
+                       "(a redelivery after a restart or rebalance), so not written twice.",
+                       [target(sum_rate("tracejudge_sink_writes_total", "sink, outcome", sink),
+                               "{{sink}} · {{outcome}}")],
+                       unit="reqps", stack=True),
+            timeseries("Verdicts skipped by reason",
+                       "Deliberately not written. unknown_trace: the trace never reached the trace "
+                       "backend within the retry window (traces not logged there).",
+                       [target(sum_rate("tracejudge_sink_skipped_total", "sink, reason", sink),
+                               "{{sink}} · {{reason}}")],
+                       unit="reqps"),
+            timeseries("Write retries by reason",
+                       "Batches offered again after network errors, 429, 5xx or a trace not there yet: "
+                       "lag grows meanwhile, nothing is lost.",
+                       [target(sum_rate("tracejudge_sink_retries_total", "sink, reason", sink),
+                               "{{sink}} · {{reason}}")],
+                       unit="reqps"),
+            timeseries("Sink dead letters by reason",
+                       "Results-topic records that are not tracejudge results (or of an unknown schema "
+                       "version), sent to sink.dead_letter_topic.",
+                       [target(sum_rate("tracejudge_sink_dead_letters_total", "sink, reason", sink),
+                               "{{sink}} · {{reason}}")],
+                       unit="reqps"),
+            timeseries("Batches written per second",
+                       "One batch per partition per checkpoint, committed after it is written: flat "
+                       "while the lag grows means the sink is stuck.",
+                       [target(sum_rate("tracejudge_sink_batches_total", "sink", sink), "{{sink}}")],
                        unit="reqps"),
         ])
 

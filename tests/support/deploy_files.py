@@ -2,7 +2,8 @@
 
 `deploy/` is not a Python package (it ships YAML/JSON plus a few scripts), so its scripts are loaded
 from their paths here. `METRICS` is the list of metric families the dashboards and rules may query:
-the public contract of tracejudge's /metrics (tests check the exporter really exports each of them).
+the public contract of tracejudge's /metrics (tests check the exporters really export each of them):
+`RUN_METRICS` from `tracejudge run`, `SINK_METRICS` from `tracejudge sink <kind>`.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ class Family(NamedTuple):
 
 
 # Counters carry their exposed `_total` name; histograms their base name (`_bucket`/`_sum`/`_count`).
-METRICS: dict[str, Family] = {
+# Exported by `tracejudge run`.
+RUN_METRICS: dict[str, Family] = {
     "tracejudge_records_total": Family("counter", ("topic", "outcome"),
                                        "Kafka records consumed; outcome ok or dead_lettered."),
     "tracejudge_dead_letters_total": Family("counter", ("reason",),
@@ -116,6 +118,23 @@ METRICS: dict[str, Family] = {
     "tracejudge_assembly_traces_emitted_total": Family("counter", ("reason",),
                                                        "Assembled traces emitted, by why."),
 }
+
+# Exported by `tracejudge sink <kind>` (the write-back runtime and its sinks), not by `tracejudge run`.
+SINK_METRICS: dict[str, Family] = {
+    "tracejudge_sink_writes_total": Family("counter", ("sink", "outcome"),
+                                           "Verdicts written; outcome written or already_written."),
+    "tracejudge_sink_skipped_total": Family("counter", ("sink", "reason"),
+                                            "Verdicts deliberately not written, by reason."),
+    "tracejudge_sink_retries_total": Family("counter", ("sink", "reason"),
+                                            "Batches offered again after a RetryLater, by reason."),
+    "tracejudge_sink_lag_records": Family("gauge", ("sink",),
+                                          "Results between the sink's position and the partitions' end."),
+    "tracejudge_sink_batches_total": Family("counter", ("sink",),
+                                            "Batches written (one per partition per checkpoint)."),
+    "tracejudge_sink_dead_letters_total": Family("counter", ("sink", "reason"),
+                                                 "Results-topic records the sink dead-lettered, by reason."),
+}
+METRICS: dict[str, Family] = {**RUN_METRICS, **SINK_METRICS}
 
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
