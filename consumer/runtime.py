@@ -32,7 +32,6 @@ the exception that ended it, `.http_port` is the bound port, `.registry` the Pro
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -47,12 +46,13 @@ from typing import Any, Protocol
 from kafka import AsyncConsumerRebalanceListener, KafkaConsumer
 from kafka.errors import KafkaTimeoutError
 from kafka.structs import TopicPartition
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from tracejudge.consumer.config import LoggingSettings, Settings
 from tracejudge.consumer.http_server import OperationsServer
 from tracejudge.consumer.log_setup import KAFKA_CONNECTION_LOGS, configure_library_logs
 from tracejudge.consumer.offsets import OffsetTracker, Releasable
+from tracejudge.metrics.consumer_metrics import ConsumerMetrics
 
 __all__ = ["ConsumerMetrics", "ConsumerRuntime", "Exports", "RuntimeMetrics", "Stage", "StartupError",
            "configure_logging", "describe_partitions", "run_until_signalled"]
@@ -86,45 +86,6 @@ class RuntimeMetrics(Protocol):
     def set_lag(self, topic: str, partition: int, lag: int) -> None: ...
 
     def remove_lag(self, topic: str, partition: int) -> None: ...
-
-
-class ConsumerMetrics:
-    """The runtime's series on `registry`, named as `tracejudge run` names them (README, "Metrics
-    reference"). `partition_lag=False` leaves `tracejudge_consumer_lag_records` out: a stage that
-    reports its lag otherwise (a sink: `tracejudge_sink_lag_records`) overrides `set_lag`."""
-
-    def __init__(self, registry: CollectorRegistry, *, partition_lag: bool = True) -> None:
-        r = registry
-        self.commits = Counter("tracejudge_commits", "Successful offset commits.", registry=r)
-        self.commit_failures = Counter("tracejudge_commit_failures", "Offset commits that failed (the "
-                                       "records are re-delivered unless a later commit succeeds).",
-                                       registry=r)
-        self.consumer_lag = Gauge("tracejudge_consumer_lag_records", "Records between the consumer's "
-                                  "position and the partition high watermark.", ["topic", "partition"],
-                                  registry=r) if partition_lag else None
-        self.assigned_partitions = Gauge("tracejudge_assigned_partitions", "Partitions assigned to this "
-                                         "consumer.", registry=r)
-        self.rebalances = Counter("tracejudge_rebalances", "Partition assignment changes by event "
-                                  "(assigned, revoked, lost).", ["event"], registry=r)
-        self.revoked_unfinished = Counter("tracejudge_revoked_unfinished_records", "Records still in "
-                                          "flight after the grace period when their partition was "
-                                          "revoked or the consumer stopped; they are re-delivered.",
-                                          registry=r)
-        self.backpressure_pauses = Counter("tracejudge_backpressure_pauses", "Times fetching paused "
-                                           "because the in-flight cap was reached.", registry=r)
-        self.backpressure_seconds = Counter("tracejudge_backpressure_seconds", "Time spent with "
-                                            "fetching paused by the in-flight cap.", registry=r)
-        self.in_flight = Gauge("tracejudge_in_flight_records", "Records fetched and not yet fully "
-                               "exported.", registry=r)
-
-    def set_lag(self, topic: str, partition: int, lag: int) -> None:
-        if self.consumer_lag is not None:
-            self.consumer_lag.labels(topic, str(partition)).set(lag)
-
-    def remove_lag(self, topic: str, partition: int) -> None:
-        if self.consumer_lag is not None:
-            with contextlib.suppress(KeyError):
-                self.consumer_lag.remove(topic, str(partition))
 
 
 # -- work in flight -------------------------------------------------------------------------------
@@ -861,3 +822,38 @@ def run_until_signalled(runtime: ConsumerRuntime) -> int:
         log.error("%s; exiting with status 1", exc)
         return 1
     return 0
+
+
+# -- command-line flags every stage shares ----------------------------------------------------------
+
+
+def add_runtime_arguments(parser: Any, *, config_help: str, group: tuple[str, str],
+                          results: tuple[str, str], dead_letters: tuple[str, str]) -> None:
+    """The flags of every command on the runtime; `group`, `results` and `dead_letters` are each the
+    configuration key the flag overrides and its help text (`runtime_overrides` reads them back)."""
+    parser.add_argument("--config", metavar="FILE", help=config_help)
+    parser.add_argument("--bootstrap-servers", metavar="HOST:PORT[,...]",
+                        help="Kafka brokers (kafka.bootstrap_servers)")
+    parser.add_argument("--group-id", help=group[1])
+    parser.add_argument("--results-topic", help=results[1])
+    parser.add_argument("--dead-letter-topic", help=dead_letters[1])
+    parser.add_argument("--metrics-port", type=int, metavar="PORT",
+                        help="port of /metrics, /healthz, /readyz (http.port, default 9464)")
+    parser.add_argument("--metrics-bind-address", metavar="ADDR", help="bind address (http.bind_address)")
+    parser.add_argument("--check-config", action="store_true",
+                        help="validate the configuration, print it (secrets redacted) and exit")
+    parser.set_defaults(runtime_keys={"group_id": group[0], "results_topic": results[0],
+                                      "dead_letter_topic": dead_letters[0]})
+
+
+def runtime_overrides(args: Any) -> dict[str, Any]:
+    """The configuration keys the shared flags set (None where a flag was not given)."""
+    keys = getattr(args, "runtime_keys", {})
+    overrides = {keys[flag]: getattr(args, flag, None) for flag in keys}
+    overrides.update({
+        "kafka.bootstrap_servers": getattr(args, "bootstrap_servers", None),
+        "http.port": getattr(args, "metrics_port", None),
+        "http.bind_address": getattr(args, "metrics_bind_address", None),
+        "logging.level": getattr(args, "log_level", None),
+    })
+    return overrides

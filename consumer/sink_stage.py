@@ -57,9 +57,11 @@ from tracejudge.consumer.runtime import (
     Exports,
     Stage,
     StartupError,
+    add_runtime_arguments,
     cannot_connect,
     configure_logging,
     run_until_signalled,
+    runtime_overrides,
     suppress_logged,
 )
 from tracejudge.consumer.sinks import DeadLetterSink, Publisher, RateLimitedLog
@@ -624,32 +626,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of `tracejudge sink`; each flag overrides its configuration key."""
     parser.add_argument("kind", metavar="KIND",
                         help="mlflow, otlp, or a kind named in sink.plugins")
-    parser.add_argument("--config", metavar="FILE", help="YAML configuration file (its sink: section)")
-    parser.add_argument("--bootstrap-servers", metavar="HOST:PORT[,...]",
-                        help="Kafka brokers (kafka.bootstrap_servers)")
-    parser.add_argument("--group-id", help="consumer group (sink.group_id, default tracejudge-sink-KIND)")
-    parser.add_argument("--results-topic", help="the results topic to read (sink.results_topic, default "
-                                                "stream.results_topic)")
-    parser.add_argument("--dead-letter-topic",
-                        help="route records that are not results here (sink.dead_letter_topic)")
-    parser.add_argument("--metrics-port", type=int, metavar="PORT",
-                        help="port of /metrics, /healthz, /readyz (http.port, default 9464)")
-    parser.add_argument("--metrics-bind-address", metavar="ADDR", help="bind address (http.bind_address)")
-    parser.add_argument("--check-config", action="store_true",
-                        help="validate the configuration, print it (secrets redacted) and exit")
+    add_runtime_arguments(
+        parser, config_help="YAML configuration file (its sink: section)",
+        group=("sink.group_id", "consumer group (sink.group_id, default tracejudge-sink-KIND)"),
+        results=("sink.results_topic",
+                 "the results topic to read (sink.results_topic, default stream.results_topic)"),
+        dead_letters=("sink.dead_letter_topic",
+                      "route records that are not results here (sink.dead_letter_topic)"))
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    overrides = {
-        "kafka.bootstrap_servers": getattr(args, "bootstrap_servers", None),
-        "sink.group_id": getattr(args, "group_id", None),
-        "sink.results_topic": getattr(args, "results_topic", None),
-        "sink.dead_letter_topic": getattr(args, "dead_letter_topic", None),
-        "http.port": getattr(args, "metrics_port", None),
-        "http.bind_address": getattr(args, "metrics_bind_address", None),
-        "logging.level": getattr(args, "log_level", None),
-    }
-    return load_settings(getattr(args, "config", None), overrides=overrides, require_topics=False)
+    return load_settings(getattr(args, "config", None), overrides=runtime_overrides(args),
+                         require_topics=False)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -57,9 +57,11 @@ from tracejudge.consumer.runtime import (
     Exports,
     Stage,
     StartupError,
+    add_runtime_arguments,
     cannot_connect,
     configure_logging,
     run_until_signalled,
+    runtime_overrides,
     suppress_logged,
 )
 from tracejudge.consumer.runtime import _Export as _Export
@@ -580,36 +582,20 @@ def _size_decode_workers(settings: Settings, handlers: Mapping[str, FormatHandle
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `tracejudge run`; each overrides its configuration key."""
-    parser.add_argument("--config", metavar="FILE", help="YAML configuration file")
-    parser.add_argument("--bootstrap-servers", metavar="HOST:PORT[,...]",
-                        help="Kafka brokers (kafka.bootstrap_servers)")
+    add_runtime_arguments(
+        parser, config_help="YAML configuration file",
+        group=("kafka.group_id", "consumer group (kafka.group_id)"),
+        results=("stream.results_topic", "publish one JSON result per record here (stream.results_topic)"),
+        dead_letters=("stream.dead_letter_topic",
+                      "route undecodable records here (stream.dead_letter_topic)"))
     parser.add_argument("--topic", action="append", dest="topics", metavar="NAME[:FORMAT]",
                         help="topic to consume, repeatable; FORMAT is auto (default), agent_eval, mlflow, "
                              "inference_log, otlp_proto, otlp_json, otlp_logs_proto or otlp_logs_json "
                              "(stream.topics)")
-    parser.add_argument("--group-id", help="consumer group (kafka.group_id)")
-    parser.add_argument("--results-topic",
-                        help="publish one JSON result per record here (stream.results_topic)")
-    parser.add_argument("--dead-letter-topic",
-                        help="route undecodable records here (stream.dead_letter_topic)")
-    parser.add_argument("--metrics-port", type=int, metavar="PORT",
-                        help="port of /metrics, /healthz, /readyz (http.port, default 9464)")
-    parser.add_argument("--metrics-bind-address", metavar="ADDR", help="bind address (http.bind_address)")
-    parser.add_argument("--check-config", action="store_true",
-                        help="validate the configuration, print it (secrets redacted) and exit")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    overrides = {
-        "kafka.bootstrap_servers": getattr(args, "bootstrap_servers", None),
-        "kafka.group_id": getattr(args, "group_id", None),
-        "stream.topics": getattr(args, "topics", None),
-        "stream.results_topic": getattr(args, "results_topic", None),
-        "stream.dead_letter_topic": getattr(args, "dead_letter_topic", None),
-        "http.port": getattr(args, "metrics_port", None),
-        "http.bind_address": getattr(args, "metrics_bind_address", None),
-        "logging.level": getattr(args, "log_level", None),
-    }
+    overrides = {**runtime_overrides(args), "stream.topics": getattr(args, "topics", None)}
     return load_settings(getattr(args, "config", None), overrides=overrides)
 
 

@@ -13,7 +13,6 @@ names, and the `app` a record names, which is capped by `AppLabelLimiter`.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import threading
 import time
 from collections.abc import Collection
@@ -21,6 +20,7 @@ from collections.abc import Collection
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tracejudge.metrics.computed import RATIO_METRICS
+from tracejudge.metrics.consumer_metrics import ConsumerMetrics
 from tracejudge.schemas.result import EvaluationResult
 
 __all__ = [
@@ -114,8 +114,9 @@ class _AppSeries:
         self.ratios: dict[str, Histogram] = {}
 
 
-class PrometheusExporter:
-    """Owns the registry and every tracejudge metric family; `export(result)` records one result.
+class PrometheusExporter(ConsumerMetrics):
+    """Owns the registry and every tracejudge metric family of `tracejudge run` (the consumer's own,
+    from `ConsumerMetrics`, and the evaluation's); `export(result)` records one result.
 
     `ratio_metrics` names the computed metrics whose values lie in [0, 1]; only those are observed in
     `tracejudge_metric_value` (latency or token counts would land in the +Inf bucket).
@@ -126,6 +127,7 @@ class PrometheusExporter:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.ratio_metrics = frozenset(ratio_metrics)
         r = self.registry
+        super().__init__(r)
 
         # -- what the traces say -------------------------------------------------------------------
         self.traces = Counter("tracejudge_traces", "Evaluated traces by app and status (error when "
@@ -164,8 +166,6 @@ class PrometheusExporter:
         self.result_publish_failures = Counter("tracejudge_result_publish_failures", "Results the "
                                                "producer failed to deliver (retried; the offset waits).",
                                                registry=r)
-        self.in_flight = Gauge("tracejudge_in_flight_records", "Records fetched and not yet fully "
-                               "exported.", registry=r)
         self.processing = Histogram("tracejudge_record_processing_seconds", "Time to decode, evaluate "
                                     "and export one record on the consumer thread (not broker acks); "
                                     "decode and evaluate only when a decode worker did them.",
@@ -175,26 +175,6 @@ class PrometheusExporter:
         self.decode_workers_lost = Counter("tracejudge_decode_workers_lost", "Decode worker processes "
                                            "that exited unexpectedly (their records are decoded in the "
                                            "consumer process).", registry=r)
-        self.commits = Counter("tracejudge_commits", "Successful offset commits.", registry=r)
-        self.commit_failures = Counter("tracejudge_commit_failures", "Offset commits that failed (the "
-                                       "records are re-delivered unless a later commit succeeds).",
-                                       registry=r)
-        self.consumer_lag = Gauge("tracejudge_consumer_lag_records", "Records between the consumer's "
-                                  "position and the partition high watermark.", ["topic", "partition"],
-                                  registry=r)
-        self.assigned_partitions = Gauge("tracejudge_assigned_partitions", "Partitions assigned to this "
-                                         "consumer.", registry=r)
-        self.rebalances = Counter("tracejudge_rebalances", "Partition assignment changes by event "
-                                  "(assigned, revoked, lost).", ["event"], registry=r)
-        self.revoked_unfinished = Counter("tracejudge_revoked_unfinished_records", "Records still in "
-                                          "flight after the grace period when their partition was "
-                                          "revoked or the consumer stopped; they are re-delivered.",
-                                          registry=r)
-        self.backpressure_pauses = Counter("tracejudge_backpressure_pauses", "Times fetching paused "
-                                           "because the in-flight cap was reached.", registry=r)
-        self.backpressure_seconds = Counter("tracejudge_backpressure_seconds", "Time spent with "
-                                            "fetching paused by the in-flight cap.", registry=r)
-
         self._ok_by_topic: dict[str, Counter] = {}
         self._series: dict[str, _AppSeries] = {}
         self._series_lock = threading.Lock()
@@ -264,11 +244,3 @@ class PrometheusExporter:
         if not routed:
             self.dead_letters_unrouted.labels(reason).inc()
 
-    # -- partitions ------------------------------------------------------------------------------
-
-    def set_lag(self, topic: str, partition: int, lag: int) -> None:
-        self.consumer_lag.labels(topic, str(partition)).set(lag)
-
-    def remove_lag(self, topic: str, partition: int) -> None:
-        with contextlib.suppress(KeyError):
-            self.consumer_lag.remove(topic, str(partition))
