@@ -10,7 +10,7 @@ Below DEBUG (`--log-level`, `logging.level`, `TRACEJUDGE_LOGGING__LEVEL`), a log
   fetch and heartbeat at ERROR or WARNING, several lines a second for as long as the broker is away.
   Those records are demoted to DEBUG by `KafkaConnectionLogs`: tracejudge reports an unreachable
   broker itself, in one line naming the bootstrap servers, the time it waited and what happens next
-  (`consumer/stream.py`), and quotes kafka-python's last connection error in it. kafka-python's other
+  (`consumer/runtime.py`), and quotes kafka-python's last connection error in it. kafka-python's other
   warnings and errors (authorisation, fencing, a crashed IO thread) are left as they are.
 
 With DEBUG every library line is shown, kafka-python's connection failures as DEBUG records.

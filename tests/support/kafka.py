@@ -219,17 +219,20 @@ def series(port: int, name: str, **labels: str) -> list[float]:
 
 
 class RunnerProcess:
-    """`tracejudge run` with flags, as a process; its log goes to a file for the assertions."""
+    """`tracejudge run` with flags, as a process; its log goes to a file for the assertions.
+    `command` is the subcommand and its leading arguments (`("sink", "mlflow", "--config", F)`)."""
 
-    def __init__(self, bootstrap: str, *args: str, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, bootstrap: str, *args: str, env: Mapping[str, str] | None = None,
+                 command: Sequence[str] = ("run",)) -> None:
         self.port = free_port()
-        self.log_path = Path(tempfile.mkstemp(prefix="tracejudge-run-", suffix=".log")[1])
+        self.command = command[0]
+        self.log_path = Path(tempfile.mkstemp(prefix=f"tracejudge-{self.command}-", suffix=".log")[1])
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in finish()
         environ = {k: v for k, v in os.environ.items() if not k.startswith("TRACEJUDGE_")}
         environ.update({"TRACEJUDGE_KAFKA__SESSION_TIMEOUT_MS": "6000",
                         "TRACEJUDGE_KAFKA__HEARTBEAT_INTERVAL_MS": "1000",
                         "TRACEJUDGE_HTTP__BIND_ADDRESS": "127.0.0.1", **(env or {})})
-        cmd = [sys.executable, "-m", "tracejudge.consumer.cli", "run", "--bootstrap-servers", bootstrap,
+        cmd = [sys.executable, "-m", "tracejudge.consumer.cli", *command, "--bootstrap-servers", bootstrap,
                "--metrics-port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=environ)
 
@@ -239,7 +242,8 @@ class RunnerProcess:
 
     def ready(self) -> bool:
         if self.proc.poll() is not None:
-            raise AssertionError(f"tracejudge run exited with {self.proc.returncode}:\n{self.log[-4000:]}")
+            raise AssertionError(f"tracejudge {self.command} exited with {self.proc.returncode}:\n"
+                                 f"{self.log[-4000:]}")
         try:
             return httpx.get(f"http://127.0.0.1:{self.port}/readyz", timeout=2).status_code == 200
         except httpx.HTTPError:
@@ -247,7 +251,7 @@ class RunnerProcess:
 
     def wait_ready(self, timeout: float = 60.0) -> RunnerProcess:
         wait_until(self.ready, timeout, interval=0.1,
-                   message=lambda: f"runner ready; log:\n{self.log[-3000:]}")
+                   message=lambda: f"{self.command} ready; log:\n{self.log[-3000:]}")
         return self
 
     def metric(self, name: str, **labels: str) -> float:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -24,13 +22,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 
-from tracejudge.consumer.demo.broker import free_port
+from support.kafka import RunnerProcess
 from tracejudge.consumer.writeback.base import RetryLater, Sink, SinkBatch, WriteReport
-
-from .kafka import metric, series, wait_until
 
 TESTS = Path(__file__).resolve().parent.parent
 
@@ -134,63 +129,16 @@ def verdict_files(directory: Path) -> list[Path]:
     return [p for p in directory.iterdir() if p.name != "attempts.log"]
 
 
-class SinkProcess:
+class SinkProcess(RunnerProcess):
     """`tracejudge sink KIND --config FILE` as a process (tests/ on PYTHONPATH for plugins); its log
     goes to a file for the assertions."""
 
     def __init__(self, bootstrap: str, kind: str, config: Mapping[str, Any], *args: str,
                  env: Mapping[str, str] | None = None) -> None:
-        self.port = free_port()
         fd, name = tempfile.mkstemp(prefix="tracejudge-sink-", suffix=".yaml")
         with os.fdopen(fd, "w") as f:
             yaml.safe_dump(dict(config), f)
         self.config_path = Path(name)
-        self.log_path = Path(tempfile.mkstemp(prefix="tracejudge-sink-", suffix=".log")[1])
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in finish()/kill()
-        environ = {k: v for k, v in os.environ.items() if not k.startswith("TRACEJUDGE_")}
-        environ.update({"TRACEJUDGE_KAFKA__SESSION_TIMEOUT_MS": "6000",
-                        "TRACEJUDGE_KAFKA__HEARTBEAT_INTERVAL_MS": "1000",
-                        "TRACEJUDGE_HTTP__BIND_ADDRESS": "127.0.0.1",
-                        "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), environ.get("PYTHONPATH")])),
-                        **(env or {})})
-        cmd = [sys.executable, "-m", "tracejudge.consumer.cli", "sink", kind,
-               "--config", str(self.config_path), "--bootstrap-servers", bootstrap,
-               "--metrics-port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=environ)
-
-    @property
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"tracejudge sink exited with {self.proc.returncode}:\n{self.log[-4000:]}")
-        try:
-            return httpx.get(f"http://127.0.0.1:{self.port}/readyz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def wait_ready(self, timeout: float = 60.0) -> SinkProcess:
-        wait_until(self.ready, timeout, interval=0.1, message=lambda: f"sink ready; log:\n{self.log[-3000:]}")
-        return self
-
-    def metric(self, name: str, **labels: str) -> float:
-        return metric(self.port, name, **labels)
-
-    def series(self, name: str, **labels: str) -> list[float]:
-        return series(self.port, name, **labels)
-
-    def signal(self, sig: int) -> None:
-        self.proc.send_signal(sig)
-
-    def finish(self, timeout: float = 60.0) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        finally:
-            self._log.close()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        self._log.close()
+        pythonpath = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
+        super().__init__(bootstrap, *args, env={"PYTHONPATH": pythonpath, **(env or {})},
+                         command=("sink", kind, "--config", str(self.config_path)))
