@@ -24,10 +24,11 @@ from typing import Any
 import orjson
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
-from support.kafka import RunnerProcess, produce, read_topic, unique
+from support.kafka import RunnerProcess, produce, read_topic, unique, wait_until
 from support.openai_stub import OpenAIStub, Reply, StubRequest
 from support.otel_producers import Producer, genai_trace, kafka_messages
 from support.otlp_receiver import OtlpReceiver
+from support.sinks import SinkProcess
 
 from tracejudge.consumer.config import ConfigError
 from tracejudge.consumer.demo.broker import free_port
@@ -427,8 +428,8 @@ def test_settings_defaults_overrides_and_errors_naming_each_key():
 
 
 def test_results_of_tracejudge_run_from_the_results_topic(broker, judge_stub, receiver, tmp_path):
-    """The whole path but the sink process: OTLP spans on a topic -> `tracejudge run` -> the results
-    topic -> a sink batch per partition -> events at the collector."""
+    """The whole path: OTLP spans on a topic -> `tracejudge run` -> the results topic -> the
+    `tracejudge sink otlp` process -> events at the collector, each once."""
     bs = broker.bootstrap_servers
     producer = Producer("geo-agent")
     recorded = [genai_trace(producer.tracer, "What is the capital of France?", "Paris."),
@@ -446,14 +447,21 @@ def test_results_of_tracejudge_run_from_the_results_topic(broker, judge_stub, re
         runner.signal(signal.SIGTERM)
         assert runner.finish(60) == 0
 
+    # The real `tracejudge sink otlp` in its own group reads the results topic and exports them.
+    sink = SinkProcess(bs, "otlp", {"sink": {"results_topic": results_topic, "group_id": unique("sink"),
+                                             "otlp": {"endpoint": receiver.endpoint}}}).wait_ready()
+    try:
+        wait_until(lambda: len(receiver.events()) >= 6, 60, message="six evaluation events")
+        wait_until(lambda: sink.metric("tracejudge_sink_lag_records") == 0, 30, message="sink caught up")
+        written = sink.metric("tracejudge_sink_writes_total", outcome="written")
+    finally:
+        sink.signal(signal.SIGTERM)
+        assert sink.finish(60) == 0
+
     by_partition: dict[int, list[SinkRecord]] = {}
     for r in records:
         by_partition.setdefault(r.partition, []).append(
             SinkRecord(r.topic, r.partition, r.offset, r.key, orjson.loads(r.value)))
-    sink = sink_for(receiver)
-    written = sum(sink.write(SinkBatch(results_topic, p, recs)).written for p, recs in by_partition.items())
-    sink.close()
-
     results = {rec.result["trace_id"]: rec for recs in by_partition.values() for rec in recs}
     assert set(results) == {rec.trace_id for rec in recorded}
     expected = sorted((t, a["name"]) for t, rec in results.items() for a in verdicts(rec.result))
