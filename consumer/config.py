@@ -550,8 +550,9 @@ class Settings(Section):
             elif isinstance(obj, dict) and obj:
                 for key, value in obj.items():
                     walk(f"{prefix}.{key}", value)
-            elif ".headers." in f".{prefix}" and not isinstance(obj, (dict, list)):
-                # HTTP headers (a sink's `headers`) carry credentials under any name.
+            elif (".headers." in f".{prefix}" or leaf == "headers") and not isinstance(obj, (dict, list)):
+                # HTTP headers (a sink's `headers`, as a map or as one `k=v,k2=v2` string) carry
+                # credentials under any name.
                 out[prefix] = "**********"
             elif isinstance(obj, SecretStr) or (
                     isinstance(obj, str) and any(h in leaf for h in (*_SECRET_HINTS, "api_key"))

@@ -277,8 +277,17 @@ def test_the_sink_runs_the_tracejudge_image_as_its_own_consumer_group() -> None:
     assert args[args.index("--config") + 1] == "/etc/tracejudge/config.yaml"
     config = "/etc/tracejudge/config.yaml"
     assert mounted(SINK, config) == mounted("tracejudge", config)
-    group = tracejudge_config()["sink"]["group_id"]
-    assert group == "tracejudge-sink-mlflow" != tracejudge_config()["kafka"]["group_id"]
+    # The shared file names no sink group: each kind joins its own default group, never the
+    # evaluator's (two kinds in one group would split the partitions between them).
+    assert "group_id" not in tracejudge_config()["sink"]
+    from tracejudge.consumer.config import load_settings
+    from tracejudge.consumer.sink_stage import plan_sink
+
+    settings = load_settings(None, environ={}, overrides={"sink.results_topic": "r"},
+                             require_topics=False)
+    groups = {kind: plan_sink(settings, kind).group_id for kind in ("mlflow", "otlp")}
+    assert groups == {"mlflow": "tracejudge-sink-mlflow", "otlp": "tracejudge-sink-otlp"}
+    assert tracejudge_config()["kafka"]["group_id"] not in groups.values()
     assert sink["depends_on"]["mlflow"] == {"condition": "service_healthy"}
     assert int(sink["stop_grace_period"].removesuffix("s")) >= \
         tracejudge_config()["stream"]["shutdown_grace_seconds"] + 10

@@ -11,6 +11,8 @@ done and its offset may be committed. Modelled on Quix Streams' `BatchingSink`.
 
     class PrintSink(Sink):
         kind = "print"
+        def __init__(self, settings, registry):  # the runtime builds a sink as Class(settings, registry)
+            self.settings = settings
         def write(self, batch: SinkBatch) -> WriteReport:
             report = WriteReport()
             for record in batch.records:

@@ -115,7 +115,6 @@ MAX_EXPORT_BATCH = 512
 # Verdicts whose export this process remembers (per signal), so a batch offered again is not re-sent.
 REMEMBER_VERDICTS = 100_000
 # Retry-after offered to the runtime after consecutive failed writes: 1, 2, 4, … up to this.
-MAX_RETRY_AFTER_S = 30.0
 
 _COMPRESSIONS = {"none": Compression.NoCompression, "gzip": Compression.Gzip, "deflate": Compression.Deflate}
 _KEYS = ("endpoint", "headers", "headers_env", "emit_spans", "timeout_s", "compression")
@@ -340,7 +339,6 @@ class OtlpSink(Sink):
         self._clock = clock
         self._lock = threading.Lock()
         self._done: OrderedDict[tuple[str, int, int, int], int] = OrderedDict()
-        self._failures = 0
         # Ours last: service.name is always tracejudge; OTEL_RESOURCE_ATTRIBUTES adds the rest.
         self._resource = Resource.create({"service.name": "tracejudge", "service.version": __version__})
         compression = _COMPRESSIONS[settings.compression]
@@ -409,7 +407,6 @@ class OtlpSink(Sink):
             else:
                 report.written += 1
                 self._done[v.key] = state | _REPORTED
-        self._failures = 0
         if report.written:
             self._writes.labels(self.kind, "written").inc(report.written)
         if report.already_written:
@@ -475,9 +472,10 @@ class OtlpSink(Sink):
             self._done.popitem(last=False)
 
     def _retry_later(self, reason: str, url: str, n: int) -> None:
-        self._failures += 1
         self._retries.labels(self.kind, reason).inc()
-        after = min(MAX_RETRY_AFTER_S, float(2 ** min(self._failures - 1, 8)))
+        # A short base wait: the runtime doubles it for each failed offer of the same batch, up to
+        # sink.max_retry_backoff_s (growing it here too would square the backoff).
+        after = 1.0
         log.warning("otlp sink: exporting %d verdicts to %s failed; the batch is retried in %g s", n, url,
                     after)
         raise RetryLater(f"{reason}: {url}", after_s=after)
