@@ -6,6 +6,8 @@
 #
 # The entrypoint is `tracejudge run`; arguments are its flags (`--config /etc/tracejudge/config.yaml`,
 # `--topic NAME[:FORMAT]`, ...), and TRACEJUDGE_<SECTION>__<KEY> environment variables override the file.
+# The same image runs the write-back sinks: entrypoint `tracejudge sink mlflow` (or `otlp`), same
+# probes and port (deploy/compose/compose.yaml, deploy/k8s/sink-mlflow-deployment.yaml).
 # Probes (HTTP on port 9464, the same server as /metrics):
 #   /healthz  liveness: the poll loop turns            -> Kubernetes livenessProbe, the HEALTHCHECK below
 #   /readyz   readiness: partitions assigned, broker up -> Kubernetes readinessProbe
