@@ -34,12 +34,16 @@ FAQ = ["Umbrellas are lent at the front desk.", "Breakfast is served from 7 to 1
 
 _handler = None
 _ran: list[str] = []
+# Where the instrumentor writes content, and whether tools run in `execute_tool` spans: the
+# log-record variant of this app (openai_genai_events.py) changes both.
+CAPTURE = "SPAN_ONLY"
+TOOL_SPANS = True
 
 
 def instrument(tracer_provider, logger_provider) -> None:
     global _handler
     os.environ["OTEL_SEMCONV_STABILITY_OPT_IN"] = "gen_ai_latest_experimental"
-    os.environ["OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"] = "SPAN_ONLY"
+    os.environ["OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"] = CAPTURE
     from opentelemetry.instrumentation.openai_v2 import OpenAIInstrumentor
     from opentelemetry.util.genai.handler import TelemetryHandler
 
@@ -63,10 +67,13 @@ def _tools(client):
 
 
 def run_tool(tools, call) -> str:
-    """One `execute_tool` span per tool run; a tool that raises fails its span, the agent goes on."""
+    """One `execute_tool` span per tool run (none without TOOL_SPANS); a tool that raises fails its
+    span and gives the model the error, the agent goes on."""
     name, args = call.function.name, json.loads(call.function.arguments)
     _ran.append(name)
     try:
+        if not TOOL_SPANS:
+            return tools[name](**args)
         with _handler.tool(name, tool_call_id=call.id, tool_type="function") as inv:
             inv.arguments = args
             inv.tool_result = tools[name](**args)

@@ -14,86 +14,20 @@ tools run without spans: which tools ran is only in the model's tool calls in th
 
 from __future__ import annotations
 
-import json
-import os
-
+import openai_genai as _app
 from _openai_cases import run_cases
 
+# The same app as openai_genai.py, with the content in log records and tools run without spans.
+_app.CAPTURE = "EVENT_ONLY"
+_app.TOOL_SPANS = False
+
 SERVICE = "openai-genai-events"
-PACKAGES = ("openai", "opentelemetry-instrumentation-openai-v2", "opentelemetry-util-genai",
-            "opentelemetry-semantic-conventions", "opentelemetry-sdk")
-
-MODEL = "gpt-4o-mini"
-TOOL_SPECS = [
-    {"type": "function", "function": {"name": name, "description": text, "parameters": {
-        "type": "object", "properties": {arg: {"type": "string"}}, "required": [arg]}}}
-    for name, text, arg in (("get_weather", "Current weather of a city.", "city"),
-                            ("lookup_faq", "The FAQ entry closest to a question.", "query"))
-]
-FAQ = ["Umbrellas are lent at the front desk.", "Breakfast is served from 7 to 10."]
-
-_handler = None
-_ran: list[str] = []
-
-
-def instrument(tracer_provider, logger_provider) -> None:
-    global _handler
-    os.environ["OTEL_SEMCONV_STABILITY_OPT_IN"] = "gen_ai_latest_experimental"
-    os.environ["OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"] = "EVENT_ONLY"
-    from opentelemetry.instrumentation.openai_v2 import OpenAIInstrumentor
-    from opentelemetry.util.genai.handler import TelemetryHandler
-
-    OpenAIInstrumentor().instrument(tracer_provider=tracer_provider, logger_provider=logger_provider)
-    _handler = TelemetryHandler(tracer_provider=tracer_provider, logger_provider=logger_provider)
-
-
-def _tools(client):
-    def get_weather(city: str) -> str:
-        if city == "Atlantis":
-            raise ValueError(f"unknown city: {city}")
-        return f"{city}: 18C, light rain"
-
-    def lookup_faq(query: str) -> str:
-        vectors = [d.embedding for d in client.embeddings.create(
-            model="text-embedding-3-small", input=[query, *FAQ]).data]
-        scores = [sum(a * b for a, b in zip(vectors[0], v, strict=True)) for v in vectors[1:]]
-        return FAQ[scores.index(max(scores))]
-
-    return {"get_weather": get_weather, "lookup_faq": lookup_faq}
-
-
-def run_tool(tools, call) -> str:
-    """Run a tool (no span); a tool that raises gives the model the error, the agent goes on."""
-    name, args = call.function.name, json.loads(call.function.arguments)
-    _ran.append(name)
-    try:
-        return tools[name](**args)
-    except Exception as exc:
-        return f"error: {exc}"
-
-
-def agent(client, question: str, *, stream: bool = False) -> str:
-    tools = _tools(client)
-    with _handler.invoke_local_agent(agent_name="weather-agent", request_model=MODEL):
-        messages = [{"role": "system", "content": "You are a helpful hotel concierge."},
-                    {"role": "user", "content": question}]
-        for _ in range(4):
-            if stream:  # a streamed turn: no tools, the answer arrives in chunks
-                chunks = client.chat.completions.create(
-                    model=MODEL, messages=messages, stream=True, stream_options={"include_usage": True})
-                return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            resp = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOL_SPECS)
-            msg = resp.choices[0].message
-            if not msg.tool_calls:
-                return msg.content
-            messages.append(msg.model_dump(exclude_none=True))
-            for call in msg.tool_calls:
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": run_tool(tools, call)})
-        raise RuntimeError("agent did not finish")
+PACKAGES = _app.PACKAGES
+instrument = _app.instrument
 
 
 def run(h) -> None:
-    run_cases(h, agent, _ran,
+    run_cases(h, _app.agent, _app._ran,
               tool_error_note="the tool raised (no span records it); "
                               "the agent sent the error back and answered",
               model_error_note="the first chat call got HTTP 500 (max_retries=0); "
