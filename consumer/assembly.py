@@ -164,6 +164,9 @@ class TraceAssembler:
             events = getattr(group, "events", None)
             items = len(spans) if events is None else len(events)
             received += len(spans)
+            if trace_id is None:  # content events naming no trace or span: nothing to join
+                self._count_unplaced(items)
+                continue
             entry = self._open.get(trace_id)
             if entry is None:
                 if trace_id in self._emitted:
@@ -268,12 +271,19 @@ class TraceAssembler:
         self._emitted[trace_id] = None
         if len(self._emitted) > self.settings.remember_emitted:
             del self._emitted[next(iter(self._emitted))]
+        if entry.events:
+            span_ids = {s.span_id for s in entry.spans}
+            self._count_unplaced(sum(1 for e in entry.events if e.span_id not in span_ids))
         trace = otlp.build_trace(trace_id, entry.spans, source_format=entry.source_format,
                                  app=entry.app if entry.has_root else entry.service, complete=complete,
                                  app_tag=self.app_tag, events=entry.events)
         if self._metrics is not None:
             self._metrics.emitted.labels(reason).inc()
         return AssembledTrace(trace, reason, entry.tickets)
+
+    def _count_unplaced(self, n: int) -> None:
+        if n and self._metrics is not None:
+            self._metrics.log_events_unplaced.inc(n)
 
     def _update_gauges(self) -> None:
         assert self._metrics is not None

@@ -41,6 +41,11 @@ class AssemblyMetrics:
             "Spans dropped because their trace had already been emitted (arrived after its quiet "
             "period, maximum wait or eviction).",
             registry=registry)
+        self.log_events_unplaced = Counter(
+            "tracejudge_assembly_log_events_unplaced",
+            "Content log records (otlp_logs_* topics) dropped because they name no trace or span, or "
+            "a span their trace did not have when it was emitted.",
+            registry=registry)
         self.discarded = Counter(
             "tracejudge_assembly_traces_discarded",
             "Open traces dropped unevaluated on partition revocation or shutdown; their records "

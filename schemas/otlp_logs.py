@@ -64,7 +64,9 @@ class SpanEvent:
 class EventGroup:
     """The content events of one trace from one resource of one record."""
 
-    trace_id: str
+    # None for content events that name no trace or no span: they cannot join one, and assembly
+    # counts them (`tracejudge_assembly_log_events_unplaced_total`) instead of holding them.
+    trace_id: str | None
     service: str | None
     events: list[SpanEvent]
 
@@ -89,6 +91,13 @@ def _event(name: str, attributes: dict[str, Any], body: Any) -> dict[str, Any]:
     return attributes
 
 
+def _unplaced(by_trace: dict[Any, EventGroup], service: str | None, name: str) -> None:
+    group = by_trace.get(None)
+    if group is None:
+        group = by_trace[None] = EventGroup(None, service, [])
+    group.events.append(SpanEvent("", name, {}))
+
+
 def decode_proto(payload: bytes) -> list[EventGroup]:
     try:
         request = ExportLogsServiceRequest.FromString(payload)
@@ -97,7 +106,7 @@ def decode_proto(payload: bytes) -> list[EventGroup]:
     groups: list[EventGroup] = []
     for resource_logs in request.resource_logs:
         service = _service(_proto_attributes(resource_logs.resource.attributes))
-        by_trace: dict[bytes, EventGroup] = {}
+        by_trace: dict[Any, EventGroup] = {}
         for scope_logs in resource_logs.scope_logs:
             for rec in scope_logs.log_records:
                 attributes = _proto_attributes(rec.attributes)
@@ -107,6 +116,7 @@ def decode_proto(payload: bytes) -> list[EventGroup]:
                 trace_id, span_id = rec.trace_id, rec.span_id
                 if (len(trace_id) != 16 or trace_id == _ZERO_TRACE or len(span_id) != 8
                         or span_id == _ZERO_SPAN):
+                    _unplaced(by_trace, service, name)
                     continue
                 body = _proto_value(rec.body) if rec.HasField("body") else None
                 group = by_trace.get(trace_id)
@@ -135,7 +145,7 @@ def decode_json(payload: bytes | str | Mapping[str, Any]) -> list[EventGroup]:
         resource = _field(resource_logs, "resource", "resource") or {}
         _object(resource, f"{where_r}.resource")
         service = _service(_json_attributes(resource.get("attributes"), f"{where_r}.resource.attributes"))
-        by_trace: dict[str, EventGroup] = {}
+        by_trace: dict[Any, EventGroup] = {}
         for si, scope_logs in enumerate(_list(_field(resource_logs, "scopeLogs", "scope_logs"),
                                               f"{where_r}.scopeLogs")):
             _object(scope_logs, f"{where_r}.scopeLogs[{si}]")
@@ -151,6 +161,7 @@ def decode_json(payload: bytes | str | Mapping[str, Any]) -> list[EventGroup]:
                 trace_id = _json_id(_field(rec, "traceId", "trace_id"), 16, f"{where}.traceId", zero_ok=True)
                 span_id = _json_id(_field(rec, "spanId", "span_id"), 8, f"{where}.spanId", zero_ok=True)
                 if trace_id is None or span_id is None:
+                    _unplaced(by_trace, service, name)
                     continue
                 body = rec.get("body")
                 body = _json_value(body, f"{where}.body") if body is not None else None

@@ -356,3 +356,29 @@ def test_entry_span_with_a_remote_parent_stands_in_for_a_root_that_never_arrives
         assert root.name == "invoke_agent"
         assert root.attributes["tracejudge.remote_parent_span_id"] == "00f067aa0ba902b7"
         asm = TraceAssembler(AssemblySettings(quiet_period_s=1.0), clock=clock)
+
+
+def test_content_log_records_that_cannot_join_a_span_are_counted_not_held(env):
+    """A content event naming no trace or span, or a span its trace never had, is dropped and
+    counted; the one naming a span of the trace is kept with it."""
+    from tracejudge.schemas import otlp_logs
+
+    clock, registry, asm = env
+    ((trace_id, groups),) = traces(1)
+    root = next(s for g in groups for s in g.spans if s.parent_id is None)
+    doc = {"resourceLogs": [{"resource": {"attributes": []}, "scopeLogs": [{"logRecords": [
+        {"eventName": "gen_ai.user.message", "traceId": trace_id, "spanId": root.span_id,
+         "body": {"kvlistValue": {"values": [{"key": "content", "value": {"stringValue": "hi"}}]}}},
+        {"eventName": "gen_ai.user.message", "traceId": trace_id, "spanId": "ab" * 8, "body": {}},
+        {"eventName": "gen_ai.choice", "body": {}},  # no trace or span id
+        {"eventName": "app.log", "traceId": trace_id, "spanId": root.span_id},  # not content: unread
+    ]}]}]}
+    events = otlp_logs.decode_json(doc)
+    assert asm.add(events, source_format="otlp_json") == []
+    assert registry.get_sample_value("tracejudge_assembly_log_events_unplaced_total") == 1
+    for group in groups:
+        asm.add([group], source_format="otlp_json")
+    clock.now += 2.0
+    (out,) = asm.poll()
+    assert registry.get_sample_value("tracejudge_assembly_log_events_unplaced_total") == 2
+    assert out.trace.trace_id == trace_id

@@ -17,7 +17,6 @@ import hashlib
 import os
 import tempfile
 import threading
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,7 @@ class RecordingSink(Sink):
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
         self.delay_s = float(settings.get("delay_s", 0))
+        self._closing = threading.Event()
         self.fail_setup = bool(settings.get("fail_setup", False))
         self.lock = threading.Lock()
         # Every batch offered, and the batches written, in order (in-process tests read them).
@@ -77,7 +77,8 @@ class RecordingSink(Sink):
         if explode:
             raise RuntimeError(f"a bug writing partition {batch.partition}")
         if self.delay_s:
-            time.sleep(self.delay_s)  # a slow backend, so a SIGKILL lands mid-stream
+            # A slow backend, so a SIGKILL lands mid-stream; close() ends the wait.
+            self._closing.wait(self.delay_s)
         report = WriteReport()
         if self.directory is not None:
             with open(self.directory / "attempts.log", "a") as attempts:
@@ -105,6 +106,7 @@ class RecordingSink(Sink):
 
     def close(self) -> None:
         self.close_calls += 1
+        self._closing.set()
 
     # -- for assertions -------------------------------------------------------------------------
 
