@@ -60,6 +60,12 @@ class EvalRecord(msgspec.Struct):
     # The hex id of the trace's root span (what a trace-level verdict is attached to when it is
     # written back as an OpenTelemetry event or span); None without a trace or a root. Schema 2.
     root_span_id: str | None = None
+    # The conversation this request belongs to and who made it, as the source states them (MLflow
+    # `mlflow.trace.session`/`mlflow.trace.user`, OTel `session.id`/`user.id`,
+    # `gen_ai.conversation.id`, Traceloop association properties, a `session_id`/`user_id` column, or
+    # the tag `stream.session_tag` names); None when absent, never guessed. Schema 3.
+    session_id: str | None = None
+    user_id: str | None = None
 
 
 _CHECK = msgspec.json.Encoder(enc_hook=str)

@@ -8,6 +8,7 @@ to their own, and refuse a greater one (`schema_version_of`, `EvaluationResult.f
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,13 +17,28 @@ import msgspec
 
 from tracejudge.schemas.record import EvalRecord
 
+# The longest session id used as it is as a Kafka key; a longer one is hashed (`session_key`).
+SESSION_KEY_MAX_BYTES = 256
+
+
+def session_key(session_id: str) -> tuple[str, bool]:
+    """The results-topic key of a session's records and results, and whether it was hashed: the
+    session id itself, or "sha256:" + the hex SHA-256 of its UTF-8 bytes when they exceed
+    `SESSION_KEY_MAX_BYTES` (keys stay small, and every turn of the session still gets the same key)."""
+    raw = session_id.encode("utf-8", "surrogatepass")
+    if len(raw) <= SESSION_KEY_MAX_BYTES:
+        return session_id, False
+    return "sha256:" + hashlib.sha256(raw).hexdigest(), True
+
 # Anything a payload decoded from JSON can hold is written natively; `str()` is the last resort (as
 # `derive.json_text` does) so one odd value in a custom metric's output cannot lose the result line.
 _ENCODER = msgspec.json.Encoder(enc_hook=str)
 
 # 1: the fields of the first release. 2: `schema_version`, `mlflow_trace_id`; each assessment's
-# `judge`, `span_id`, `input_tokens`, `output_tokens`, `sample_rate`.
-SCHEMA_VERSION = 2
+# `judge`, `span_id`, `input_tokens`, `output_tokens`, `sample_rate`. 3: `session_id`, `user_id`; a
+# result of a turn of a session is keyed by its session id on the results topic; session result lines
+# (`"kind": "session"`, `tracejudge.schemas.session`) on the session results topic.
+SCHEMA_VERSION = 3
 _VERSION_PREFIX = b'{"schema_version":%d,' % SCHEMA_VERSION
 
 # The source formats whose trace MLflow stores under "tr-" + the 32-hex OpenTelemetry trace id: MLflow 3
@@ -180,5 +196,9 @@ class EvaluationResult:
 
     @property
     def key(self) -> str | None:
-        """The Kafka key of the result: the trace id, else the request id."""
+        """The Kafka key of the result: the session id when the record has one (so every turn of a
+        session lands on one partition of the results topic; an id over 256 UTF-8 bytes is replaced
+        by its hash, `session_key`), else the trace id, else the request id."""
+        if self.record.session_id:
+            return session_key(self.record.session_id)[0]
         return self.record.trace_id or self.record.request_id
