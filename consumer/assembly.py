@@ -130,9 +130,11 @@ class TraceAssembler:
 
     def __init__(self, settings: AssemblySettings | None = None, *,
                  clock: Callable[[], float] = time.monotonic,
-                 metrics: AssemblyMetrics | None = None, app_tag: str | None = None) -> None:
+                 metrics: AssemblyMetrics | None = None, app_tag: str | None = None,
+                 session_tag: str | None = None) -> None:
         self.settings = (settings or AssemblySettings()).validate()
         self.app_tag = app_tag
+        self.session_tag = session_tag
         self._clock = clock
         self._metrics = metrics
         # Insertion order = first arrival: the front is the oldest (max-wait and eviction order).
@@ -276,7 +278,7 @@ class TraceAssembler:
             self._count_unplaced(sum(1 for e in entry.events if e.span_id not in span_ids))
         trace = otlp.build_trace(trace_id, entry.spans, source_format=entry.source_format,
                                  app=entry.app if entry.has_root else entry.service, complete=complete,
-                                 app_tag=self.app_tag, events=entry.events)
+                                 app_tag=self.app_tag, events=entry.events, session_tag=self.session_tag)
         if self._metrics is not None:
             self._metrics.emitted.labels(reason).inc()
         return AssembledTrace(trace, reason, entry.tickets)
@@ -332,8 +334,10 @@ class OtlpLineAssembler:
     """
 
     def __init__(self, settings: AssemblySettings | None = None,
-                 metrics: AssemblyMetrics | None = None, app_tag: str | None = None) -> None:
-        self._assembler = TraceAssembler(settings, clock=lambda: 0.0, metrics=metrics, app_tag=app_tag)
+                 metrics: AssemblyMetrics | None = None, app_tag: str | None = None,
+                 session_tag: str | None = None) -> None:
+        self._assembler = TraceAssembler(settings, clock=lambda: 0.0, metrics=metrics, app_tag=app_tag,
+                                         session_tag=session_tag)
 
     def feed(self, payload: bytes | str | dict[str, Any], line: int) -> list[FileTrace]:
         """One line: an OTLP/JSON trace request, or a logs request whose content events belong to

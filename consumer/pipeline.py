@@ -30,16 +30,19 @@ class Pipeline:
 
     `metrics` defaults to the built-in computed metrics; build it with `ComputedMetrics.from_config`
     to add custom metric functions and trajectory settings. `app_tag` names the trace tag whose value
-    becomes the record's `app` (else the source's own notion: MLflow experiment, OTel service.name).
+    becomes the record's `app` (else the source's own notion: MLflow experiment, OTel service.name);
+    `session_tag` the one whose value is its session id (else the source's conventions).
     """
 
-    def __init__(self, *, metrics: ComputedMetrics | None = None, app_tag: str | None = None) -> None:
+    def __init__(self, *, metrics: ComputedMetrics | None = None, app_tag: str | None = None,
+                 session_tag: str | None = None) -> None:
         self.metrics = metrics or ComputedMetrics()
         self.app_tag = app_tag
+        self.session_tag = session_tag
 
     def normalise(self, payload: bytes | str | Mapping[str, Any], fmt: str | None = None) -> EvalRecord:
         """Decode one record of a single-record format; raises `RecordError` naming what is wrong."""
-        return normalise(payload, fmt, app_tag=self.app_tag)
+        return normalise(payload, fmt, app_tag=self.app_tag, session_tag=self.session_tag)
 
     def evaluate(self, record: EvalRecord, source: SourceRef) -> EvaluationResult:
         """Computed metrics for one record. Never raises for a metric's failure: it is recorded."""
@@ -57,7 +60,7 @@ def build_pipeline(settings: Settings) -> Pipeline:
     except MetricLoadError as exc:
         key, _, detail = str(exc).partition(": ")
         raise ConfigError([(key, detail)]) from None
-    return Pipeline(metrics=metrics, app_tag=settings.stream.app_tag)
+    return Pipeline(metrics=metrics, app_tag=settings.stream.app_tag, session_tag=settings.stream.session_tag)
 
 
 def build_judges(settings: Settings, registry: CollectorRegistry | None = None,

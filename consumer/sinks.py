@@ -32,7 +32,7 @@ from kafka.errors import MessageSizeTooLargeError, RecordListTooLargeError
 
 from tracejudge.consumer.offsets import Releasable
 from tracejudge.metrics.prometheus import PrometheusExporter
-from tracejudge.schemas.result import EvaluationResult, SourceRef
+from tracejudge.schemas.result import EvaluationResult, SourceRef, session_key
 
 __all__ = [
     "HEADER_ERROR",
@@ -228,7 +228,9 @@ class DeadLetterSink:
 
 
 class ResultSink:
-    """Publishes one JSON result per evaluated record, keyed by trace id (else request id)."""
+    """Publishes one JSON result per evaluated record, keyed by its session id when the record has
+    one (every turn of a conversation on one partition, for the session stage; an id over 256 bytes
+    by its hash, counted), else by trace id (else request id): `EvaluationResult.key`."""
 
     def __init__(self, publisher: Publisher | None, topic: str | None, metrics: PrometheusExporter,
                  dead_letters: DeadLetterSink) -> None:
@@ -245,7 +247,13 @@ class ResultSink:
         if self.topic is None:
             ticket.release()
             return
-        key = result.key
+        session = result.record.session_id
+        if session:
+            key, hashed = session_key(session)
+            if hashed:
+                self.metrics.session_ids_hashed.inc()
+        else:
+            key = result.key
         src = result.source
         headers: list[Header] = [
             ("content-type", b"application/json"),

@@ -423,6 +423,7 @@ class EvaluationStage(Stage):
             from tracejudge.metrics.assembly_metrics import AssemblyMetrics
 
             assembler = TraceAssembler(s.otlp.assembly.to_settings(), app_tag=s.stream.app_tag,
+                                       session_tag=s.stream.session_tag,
                                        metrics=AssemblyMetrics(registry=self.exporter.registry))
         self.processor = RecordProcessor(self.pipeline, runtime.tracker, self.exporter, results, dead_letters,
                                          formats, max_record_bytes=s.stream.max_record_bytes,

@@ -166,6 +166,10 @@ class PrometheusExporter(ConsumerMetrics):
         self.result_publish_failures = Counter("tracejudge_result_publish_failures", "Results the "
                                                "producer failed to deliver (retried; the offset waits).",
                                                registry=r)
+        self.session_ids_hashed = Counter("tracejudge_session_ids_hashed", "Results whose session id "
+                                          "was over 256 UTF-8 bytes and keyed by its SHA-256 instead "
+                                          "(\"sha256:<hex>\"; every turn still gets the same key).",
+                                          registry=r)
         self.processing = Histogram("tracejudge_record_processing_seconds", "Time to decode, evaluate "
                                     "and export one record on the consumer thread (not broker acks); "
                                     "decode and evaluate only when a decode worker did them.",

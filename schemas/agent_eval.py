@@ -2,10 +2,10 @@
 
 The Databricks Agent Evaluation / `mlflow.evaluate` row: `request`, `response`,
 `retrieved_context`, `expected_response`, `expected_retrieved_context`, `expected_facts`,
-`guidelines`, `reference_trajectory` and optionally the MLflow `trace` of the request. MLflow 3's
-`mlflow.genai.evaluate` rows (`inputs`, `outputs`, `expectations`) are read the same way. What the
-record states wins over what is derived from its trace. A record must state its request (or
-`inputs`) or carry a trace; one with neither is rejected, naming `request`.
+`guidelines`, `reference_trajectory`, `session_id`, `user_id` and optionally the MLflow `trace` of
+the request. MLflow 3's `mlflow.genai.evaluate` rows (`inputs`, `outputs`, `expectations`) are read
+the same way. What the record states wins over what is derived from its trace. A record must state
+its request (or `inputs`) or carry a trace; one with neither is rejected, naming `request`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tracejudge.schemas import errors
+from tracejudge.schemas.conventions import identity
 from tracejudge.schemas.derive import (
     apply_expectations,
     derive,
@@ -24,7 +25,7 @@ from tracejudge.schemas.derive import (
 )
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.inputs import AgentEvalRecord, ValidationError, describe
-from tracejudge.schemas.mlflow import parse_trace
+from tracejudge.schemas.mlflow import parse_trace, tagged_identity
 from tracejudge.schemas.mlflow_wire import parse_trace_json
 from tracejudge.schemas.record import EvalRecord, ToolCall
 
@@ -37,8 +38,13 @@ def is_agent_eval_record(obj: Mapping[str, Any]) -> bool:
     return any(key in obj for key in _KEYS)
 
 
-def normalise_agent_eval(obj: Mapping[str, Any], *, app_tag: str | None = None) -> EvalRecord:
-    """One agent-evaluation record -> `EvalRecord`; raises `RecordError` naming the bad field."""
+def normalise_agent_eval(obj: Mapping[str, Any], *, app_tag: str | None = None,
+                         session_tag: str | None = None) -> EvalRecord:
+    """One agent-evaluation record -> `EvalRecord`; raises `RecordError` naming the bad field.
+
+    Session and user: the row's `session_id`/`user_id`, else its trace's. `session_tag` names a
+    field of the row, a key of its `tags` or a tag/metadata key of its trace whose value is the
+    session id over those."""
     try:
         row = AgentEvalRecord.model_validate(obj)
     except ValidationError as exc:
@@ -58,6 +64,15 @@ def normalise_agent_eval(obj: Mapping[str, Any], *, app_tag: str | None = None) 
         stated.app = app if isinstance(app, str) and app else tags.get(app_tag)
     if row.expectations:
         apply_expectations(stated, row.expectations)
+    stated.session_id = identity(row.session_id)
+    stated.user_id = identity(row.user_id)
+    tagged = None
+    if session_tag:
+        tagged = identity(obj.get(session_tag))
+        if tagged is None and row.tags:
+            tagged = identity(row.tags.get(session_tag))
+    if tagged is not None:
+        stated.session_id = tagged
 
     request = obj.get("request")
     stated.request = request_text(request if request is not None else row.inputs)
@@ -83,7 +98,12 @@ def normalise_agent_eval(obj: Mapping[str, Any], *, app_tag: str | None = None) 
     if trace_obj is None:
         return stated
     if isinstance(trace_obj, str):
-        trace = parse_trace_json(trace_obj, app_tag=app_tag, field="trace")
+        trace = parse_trace_json(trace_obj, app_tag=app_tag, field="trace", session_tag=session_tag)
     else:
-        trace = parse_trace(trace_obj, app_tag=app_tag, field="trace", everything=False)
-    return merge(stated, derive(trace))
+        trace = parse_trace(trace_obj, app_tag=app_tag, field="trace", everything=False,
+                            session_tag=session_tag)
+    record = merge(stated, derive(trace))
+    if session_tag and tagged is None:
+        # The tag the configuration names wins over the row's own column, wherever it is stated.
+        record.session_id = tagged_identity(trace, session_tag) or record.session_id
+    return record

@@ -702,6 +702,8 @@ def derived_record(trace: Trace, root: Span | None, retrieved: list[Document] | 
         tags=dict(trace.tags),
         complete=trace.complete,
         root_span_id=root.span_id if root is not None else None,
+        session_id=trace.session_id,
+        user_id=trace.user_id,
     )
     apply_expectations(record, trace.expectations)
     return record

@@ -17,10 +17,11 @@ from typing import Any
 import orjson
 
 from tracejudge.schemas import errors
+from tracejudge.schemas.conventions import identity
 from tracejudge.schemas.derive import derive, merge, request_text, response_text
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.inputs import InferenceLogRow, ValidationError, describe, time_ms
-from tracejudge.schemas.mlflow import parse_trace
+from tracejudge.schemas.mlflow import parse_trace, tagged_identity
 from tracejudge.schemas.mlflow_wire import parse_trace_json
 from tracejudge.schemas.record import EvalRecord, python_json
 from tracejudge.schemas.trace import TokenUsage
@@ -95,8 +96,13 @@ def _error_message(body: Any) -> str | None:
     return message[:500] if isinstance(message, str) else None
 
 
-def normalise_row(obj: Mapping[str, Any], *, app_tag: str | None = None) -> EvalRecord:
-    """One inference-log row -> `EvalRecord`; raises `RecordError` naming the field that is wrong."""
+def normalise_row(obj: Mapping[str, Any], *, app_tag: str | None = None,
+                  session_tag: str | None = None) -> EvalRecord:
+    """One inference-log row -> `EvalRecord`; raises `RecordError` naming the field that is wrong.
+
+    Session and user: the row's `session_id`/`user_id` columns, else its trace's metadata.
+    `session_tag` names a column of the row or a tag/metadata key of its trace whose value is the
+    session id over those."""
     try:
         row = InferenceLogRow.model_validate(obj)
     except ValidationError as exc:
@@ -125,10 +131,11 @@ def normalise_row(obj: Mapping[str, Any], *, app_tag: str | None = None) -> Eval
             trace_obj = output.get("trace")
     trace = None
     if isinstance(trace_obj, str):
-        trace = parse_trace_json(trace_obj, app_tag=app_tag, field="response.databricks_output.trace")
+        trace = parse_trace_json(trace_obj, app_tag=app_tag, field="response.databricks_output.trace",
+                                 session_tag=session_tag)
     elif trace_obj is not None:
         trace = parse_trace(trace_obj, app_tag=app_tag, field="response.databricks_output.trace",
-                            everything=False)
+                            everything=False, session_tag=session_tag)
     if trace is not None and endpoint is None:
         endpoint = trace.metadata.get("mlflow.databricks.modelServingEndpointName")
 
@@ -153,7 +160,14 @@ def normalise_row(obj: Mapping[str, Any], *, app_tag: str | None = None) -> Eval
         error=error,
         tokens=_usage(response_body),
         timestamp=None if when is None else time_ms(when) / 1000.0,
+        session_id=identity(row.session_id),
+        user_id=identity(row.user_id),
     )
+    tagged = identity(obj.get(session_tag)) if session_tag else None
+    if tagged is None and session_tag and trace is not None:
+        tagged = tagged_identity(trace, session_tag)
+    if tagged is not None:
+        stated.session_id = tagged
     if trace is None:
         return stated
     derived = derive(trace)

@@ -18,6 +18,7 @@ records.
 from __future__ import annotations
 
 import binascii
+import math
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -144,6 +145,18 @@ def _request_id(value: Any) -> str | None:
     raise ValueError(f"expected a string, got {brief(value)}")
 
 
+def _identity(value: Any) -> str | None:
+    """A `session_id`/`user_id` column: a string, or a number (some producers count conversations)
+    as its text. A bool, list or object identifies nothing: the row is rejected naming the column."""
+    if value is None or isinstance(value, str):
+        return value
+    if type(value) is int or (type(value) is float and math.isfinite(value)):
+        return str(value)
+    raise ValueError(f"expected a string, got {brief(value)}")
+
+
+# A session or user id column (blank values are read as absent by the parsers).
+Identity = Annotated[str | None, BeforeValidator(_identity)]
 Int = Annotated[int, BeforeValidator(_int)]
 OptionalInt = Annotated[int | None, BeforeValidator(_optional_int)]
 Time = Annotated[Any, BeforeValidator(_time)]
@@ -368,6 +381,9 @@ class AgentEvalRecord(_Model):
     outputs: Any = None
     expectations: dict[str, Any] | None = None
     tags: dict[str, Any] | None = None
+    # The conversation the request belongs to and who made it (schema 3).
+    session_id: Identity = None
+    user_id: Identity = None
 
 
 # ------------------------------------------------------------------------------------------
@@ -402,6 +418,9 @@ class InferenceLogRow(_Model):
     request: Annotated[Any, _checked(str, dict, list, what="a JSON string or an object")] = None
     response: Annotated[Any, _checked(str, dict, list, what="a JSON string or an object")] = None
     logging_error_codes: list[str] | None = None
+    # The conversation the request belongs to and who made it, when the table logs them.
+    session_id: Identity = None
+    user_id: Identity = None
 
 
 # ------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from typing import Any
 import orjson
 
 from tracejudge.schemas import errors
+from tracejudge.schemas.conventions import MLFLOW_SESSION, MLFLOW_USER, identity
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.inputs import (
     MlflowTraceV2,
@@ -41,7 +42,7 @@ from tracejudge.schemas.inputs import (
 from tracejudge.schemas.record import python_json
 from tracejudge.schemas.trace import Span, SpanKind, SpanStatus, TokenUsage, Trace
 
-__all__ = ["APP_PREFIX", "explain", "is_mlflow_trace", "parse_trace"]
+__all__ = ["APP_PREFIX", "explain", "is_mlflow_trace", "parse_trace", "tagged_identity"]
 
 # The app of an MLflow trace with no `app_tag` match: its experiment, as "experiment:<id>" so it
 # cannot be mistaken for an endpoint or service name from another source.
@@ -53,7 +54,7 @@ SPAN_OUTPUTS = "mlflow.spanOutputs"
 CHAT_USAGE = "mlflow.chat.tokenUsage"
 TRACE_USAGE = "mlflow.trace.tokenUsage"
 # Trace metadata worth keeping as record tags (usable in sampling filters).
-_METADATA_TAGS = ("mlflow.trace.session", "mlflow.trace.user", "mlflow.modelId",
+_METADATA_TAGS = (MLFLOW_SESSION, MLFLOW_USER, "mlflow.modelId",
                   "mlflow.databricks.modelServingEndpointName", "mlflow.sourceRun")
 
 # MLflow types the neutral SpanKind does not name: structure-only ones read as CHAIN (as the OTLP
@@ -309,7 +310,7 @@ def _trace_id(value: str) -> str:
     return value.lower()
 
 
-def _parse(obj: Mapping[str, Any], app_tag: str | None, everything: bool) -> Trace:
+def _parse(obj: Mapping[str, Any], app_tag: str | None, everything: bool, session_tag: str | None) -> Trace:
     info = obj["info"]
     if not isinstance(info, dict):
         raise _Malformed
@@ -321,7 +322,7 @@ def _parse(obj: Mapping[str, Any], app_tag: str | None, everything: bool) -> Tra
     ids: dict[str, str] = {}
     spans = [_span(s, v2, ids, everything) for s in spans_raw]
     usage = _stated_usage(info.get("request_metadata" if v2 else "trace_metadata"))
-    return _trace(info, raw_id, spans, v2, app_tag, usage)
+    return _trace(info, raw_id, spans, v2, app_tag, usage, session_tag)
 
 
 def _stated_usage(metadata: Any) -> TokenUsage | None:
@@ -331,7 +332,7 @@ def _stated_usage(metadata: Any) -> TokenUsage | None:
 
 
 def _trace(info: dict[str, Any], raw_id: str, spans: list[Span], v2: bool, app_tag: str | None,
-           usage: TokenUsage | None) -> Trace:
+           usage: TokenUsage | None, session_tag: str | None = None) -> Trace:
     """The trace of a decoded `info`, each key checked as the schema states it."""
     metadata = _str_map(_optional(info, "request_metadata" if v2 else "trace_metadata", dict))
     tags = _str_map(_optional(info, "tags", dict))
@@ -357,7 +358,7 @@ def _trace(info: dict[str, Any], raw_id: str, spans: list[Span], v2: bool, app_t
         metadata=metadata, tags=tags, experiment=experiment, client_request_id=client_request_id,
         state=state, assessments=assessments, request_time=request_time,
         duration_value=info.get("execution_time_ms" if v2 else "execution_duration_ms"),
-        duration_wire=wire_duration,
+        duration_wire=wire_duration, session_tag=session_tag,
     )
 
 
@@ -365,9 +366,18 @@ def _build_trace(raw_id: str, spans: list[Span], source_format: str, app_tag: st
                  usage: TokenUsage | None, *, metadata: dict[str, str], tags: dict[str, str],
                  experiment: str | None, client_request_id: str | None, state: str | None,
                  assessments: list[Any] | None, request_time: Any, duration_value: Any,
-                 duration_wire: str | None) -> Trace:
+                 duration_wire: str | None, session_tag: str | None = None) -> Trace:
     """The `Trace` from its info's values once their types are checked (here by `_trace`, in
-    `mlflow_wire` by the msgspec structs): one set of rules for both readers."""
+    `mlflow_wire` by the msgspec structs): one set of rules for both readers.
+
+    Session and user: the metadata MLflow stores them in (`mlflow.trace.session`/`.user`, what
+    `mlflow.update_current_trace(metadata=...)` sets), else a tag of the same name (apps on MLflow 2,
+    whose `update_current_trace` took tags only); `session_tag` names a tag or metadata key whose
+    value is the session id instead, when the trace has it."""
+    session = identity(metadata.get(MLFLOW_SESSION) or tags.get(MLFLOW_SESSION))
+    user = identity(metadata.get(MLFLOW_USER) or tags.get(MLFLOW_USER))
+    if session_tag:
+        session = identity(tags.get(session_tag) or metadata.get(session_tag)) or session
     for key in _METADATA_TAGS:
         if key in metadata:
             tags.setdefault(key, metadata[key])
@@ -387,21 +397,29 @@ def _build_trace(raw_id: str, spans: list[Span], source_format: str, app_tag: st
         tags=tags,
         metadata=metadata,
         expectations=_expectations(assessments),
+        session_id=session,
+        user_id=user,
     )
 
 
+def tagged_identity(trace: Trace, name: str) -> str | None:
+    """The id a trace's tag or metadata key `name` states (`stream.session_tag`), or None."""
+    return identity(trace.tags.get(name) or trace.metadata.get(name))
+
+
 def parse_trace(obj: Mapping[str, Any], *, app_tag: str | None = None, field: str = "",
-                everything: bool = True) -> Trace:
+                everything: bool = True, session_tag: str | None = None) -> Trace:
     """Parse one MLflow trace dict; raises `RecordError` naming the field that is wrong.
 
     `field` prefixes error paths when the trace is embedded in another record ("trace",
     "response.databricks_output.trace"). With `everything=False` (what `normalise()` uses) only
     what `derive()` reads is decoded: the root span's inputs, outputs and other attributes, the
     outputs of RETRIEVER spans and the inputs of TOOL spans; other spans' `inputs`, `outputs` and
-    `attributes` are left empty. Validation is the same either way.
+    `attributes` are left empty. Validation is the same either way. `session_tag` (`stream.session_tag`)
+    names a tag or metadata key whose value is the trace's session id, over MLflow's own.
     """
     try:
-        return _parse(obj, app_tag, everything)
+        return _parse(obj, app_tag, everything, session_tag)
     except (_Malformed, KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError,
             RecursionError) as exc:
         raise explain(obj, field, exc) from None

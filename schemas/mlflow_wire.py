@@ -376,7 +376,8 @@ def _spans(spans_raw: list[_WireSpan], span_usage: bool) -> list[Span]:
 # the trace
 
 
-def _trace(info: _WireInfo, spans: list[Span], app_tag: str | None, usage: Any) -> Trace:
+def _trace(info: _WireInfo, spans: list[Span], app_tag: str | None, usage: Any,
+           session_tag: str | None = None) -> Trace:
     assessments = None
     if info.assessments is not None:
         assessments = orjson.loads(memoryview(info.assessments))
@@ -393,6 +394,7 @@ def _trace(info: _WireInfo, spans: list[Span], app_tag: str | None, usage: Any) 
         experiment=experiment, client_request_id=info.client_request_id, state=info.state,
         assessments=assessments, request_time=info.request_time,
         duration_value=info.execution_duration_ms, duration_wire=info.execution_duration,
+        session_tag=session_tag,
     )
 
 
@@ -408,7 +410,8 @@ def _decode(payload: bytes | str) -> _WireTrace | None:
         return None
 
 
-def derive_canonical_json(payload: bytes | str, *, app_tag: str | None = None) -> EvalRecord | None:
+def derive_canonical_json(payload: bytes | str, *, app_tag: str | None = None,
+                          session_tag: str | None = None) -> EvalRecord | None:
     """`derive()` of the `Trace` of an MLflow 3 trace's JSON in exactly the shape `Trace.to_json()`
     writes, or None for anything else: then decode the payload and call the general reader,
     which reads every form and names what is wrong. An exception raised past reading (a bug in
@@ -425,7 +428,7 @@ def derive_canonical_json(payload: bytes | str, *, app_tag: str | None = None) -
             with contextlib.suppress(_NotLean):
                 parts = _lean_parts(wire.data.spans)
         spans = [] if parts is not None else _spans(wire.data.spans, usage is None)
-        trace = _trace(info, spans, app_tag, usage)
+        trace = _trace(info, spans, app_tag, usage, session_tag)
     except _NOT_READ:
         return None
     if parts is None:
@@ -434,7 +437,8 @@ def derive_canonical_json(payload: bytes | str, *, app_tag: str | None = None) -
     return derived_record(trace, root, retrieved, trajectory, usage.with_total())
 
 
-def parse_canonical_json(payload: bytes | str, *, app_tag: str | None = None) -> Trace | None:
+def parse_canonical_json(payload: bytes | str, *, app_tag: str | None = None,
+                         session_tag: str | None = None) -> Trace | None:
     """The `Trace` of an MLflow 3 trace's JSON in exactly the shape `Trace.to_json()` writes, or
     None for anything else (another shape, another format, bad input) — then decode the payload
     and call `parse_trace`, which reads every form and names what is wrong.
@@ -449,12 +453,13 @@ def parse_canonical_json(payload: bytes | str, *, app_tag: str | None = None) ->
         return None
     try:
         usage = _stated_usage(wire.info.trace_metadata)
-        return _trace(wire.info, _spans(wire.data.spans, usage is None), app_tag, usage)
+        return _trace(wire.info, _spans(wire.data.spans, usage is None), app_tag, usage, session_tag)
     except _NOT_READ:
         return None
 
 
-def parse_trace_json(text: str, *, app_tag: str | None = None, field: str = "") -> Trace:
+def parse_trace_json(text: str, *, app_tag: str | None = None, field: str = "",
+                     session_tag: str | None = None) -> Trace:
     """An MLflow trace embedded as JSON text in another record (an agent-evaluation row's `trace`,
     a serving response's `databricks_output.trace`), read for derivation: by `parse_canonical_json`
     when it is in `Trace.to_json()`'s exact shape, else decoded by orjson and read by `parse_trace`
@@ -464,11 +469,11 @@ def parse_trace_json(text: str, *, app_tag: str | None = None, field: str = "") 
     derivation never reads is skipped by msgspec unread, so such a trace is read (as it is when it
     is the whole payload) rather than rejected as invalid JSON.
     """
-    trace = parse_canonical_json(text, app_tag=app_tag)
+    trace = parse_canonical_json(text, app_tag=app_tag, session_tag=session_tag)
     if trace is not None:
         return trace
     try:
         obj = orjson.loads(text)
     except orjson.JSONDecodeError as exc:
         raise RecordError(errors.INVALID_JSON, str(exc), field or None) from None
-    return parse_trace(obj, app_tag=app_tag, field=field, everything=False)
+    return parse_trace(obj, app_tag=app_tag, field=field, everything=False, session_tag=session_tag)

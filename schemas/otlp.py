@@ -33,11 +33,17 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from tracejudge.schemas import errors
 from tracejudge.schemas.conventions import (
     CONTENT_EVENTS,
+    MLFLOW_SESSION,
+    MLFLOW_USER,
+    SESSION_ATTRIBUTES,
     STATUS_ERROR,
     STATUS_OK,
     STATUS_UNSET,
+    USER_ATTRIBUTES,
+    identity,
     read_content_events,
     span_from_otel,
+    spans_identity,
 )
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.trace import Span, SpanStatus, Trace
@@ -413,13 +419,12 @@ def _service(resource: Mapping[str, Any]) -> str | None:
     return name
 
 
-_SESSION_KEYS: Final = ("session.id", "gen_ai.conversation.id")
 _TAG_PREFIX: Final = "mlflow.traceTag."
 
 
 def build_trace(trace_id: str, spans: Sequence[Span], *, source_format: str, app: str | None = None,
                 complete: bool = True, app_tag: str | None = None,
-                events: Sequence[Any] = ()) -> Trace:
+                events: Sequence[Any] = (), session_tag: str | None = None) -> Trace:
     """The assembled `Trace` of one trace's spans (in any order; duplicates by span id dropped).
 
     `events` are the trace's content log records (`otlp_logs.SpanEvent`s): each is read onto the
@@ -427,6 +432,11 @@ def build_trace(trace_id: str, spans: Sequence[Span], *, source_format: str, app
 
     `app` is the service.name of the root span's resource; `app_tag` (`stream.app_tag`) names a trace
     tag (`mlflow.traceTag.<name>`) or root span attribute whose string value is the app instead.
+
+    Session and user (`conventions.spans_identity`): `session.id` (OpenInference, MLflow's OTLP
+    export), `gen_ai.conversation.id`, Traceloop's `session_id` association property; `user.id`,
+    Traceloop's `user_id`; on the root span, else the first span stating one. `session_tag`
+    (`stream.session_tag`) names a trace tag or span attribute whose value is the session instead.
     """
     unique = {s.span_id: s for s in spans}
     if events:
@@ -459,13 +469,14 @@ def build_trace(trace_id: str, spans: Sequence[Span], *, source_format: str, app
             tagged = trace.tags.get(app_tag) or root.attributes.get(app_tag)
             if isinstance(tagged, str) and tagged:
                 trace.app = tagged
-    # Context attributes OpenInference/GenAI propagate to every span; the MLflow ingest names them so.
-    for span in ordered:
-        attrs = span.attributes
-        if "mlflow.trace.session" not in trace.metadata:
-            session = next((attrs[k] for k in _SESSION_KEYS if isinstance(attrs.get(k), str)), None)
-            if session is not None:
-                trace.metadata["mlflow.trace.session"] = session
-        if "mlflow.trace.user" not in trace.metadata and isinstance(attrs.get("user.id"), str):
-            trace.metadata["mlflow.trace.user"] = attrs["user.id"]
+    session = None
+    if session_tag:
+        session = identity(trace.tags.get(session_tag)) or spans_identity(ordered, root, (session_tag,))
+    trace.session_id = session or spans_identity(ordered, root, SESSION_ATTRIBUTES)
+    trace.user_id = spans_identity(ordered, root, USER_ATTRIBUTES)
+    # As MLflow's OTLP ingest stores them.
+    if trace.session_id is not None:
+        trace.metadata[MLFLOW_SESSION] = trace.session_id
+    if trace.user_id is not None:
+        trace.metadata[MLFLOW_USER] = trace.user_id
     return trace

@@ -111,3 +111,7 @@ class Trace(msgspec.Struct, gc=False):
     expectations: dict[str, Any] = msgspec.field(default_factory=dict)
     # False when trace assembly had to emit the trace before its root span or quiet period arrived.
     complete: bool = True
+    # The conversation the request belongs to and who made it, as the source states them (MLflow
+    # metadata, span attributes, or the tag `stream.session_tag` names): `EvalRecord.session_id`.
+    session_id: str | None = None
+    user_id: str | None = None

@@ -47,7 +47,8 @@ def test_to_json_is_the_documented_flat_shape():
     record_fields = list(EvalRecord.__struct_fields__)
     assert list(out) == ["schema_version", *record_fields, "mlflow_trace_id", "source", "metrics",
                          "metric_errors", "assessments"]
-    assert out["schema_version"] == SCHEMA_VERSION == 2
+    assert out["schema_version"] == SCHEMA_VERSION == 3
+    assert out["session_id"] is None and out["user_id"] is None
     assert out["mlflow_trace_id"] is None  # "t" came from no trace format
     assert out["source"]["offset"] == 41 and out["tokens"] == {"input": 1, "output": 2, "total": 3}
     assert list(out["assessments"][0]) == ASSESSMENT_FIELDS
@@ -77,7 +78,7 @@ def full_result() -> EvaluationResult:
                           request="q", response="a", retrieved_context=[Document("c", "kb://1")],
                           trajectory=[ToolCall("search", {"q": "x"})], latency_seconds=1.25, failed=False,
                           tokens=TokenUsage(10, 5, 15), expected_facts=["f"], timestamp=1795306935.9,
-                          tags={"env": "prod"}, complete=False),
+                          tags={"env": "prod"}, complete=False, session_id="conv-7", user_id="u-3"),
         source=SourceRef(format="otlp_proto", topic="tracejudge-traces", partition=3, offset=17),
         metrics={"latency_seconds": 1.25, "retrieved_documents": 1.0, "document_recall": None},
         metric_errors={"mine": "ValueError: no"},
@@ -102,6 +103,9 @@ def test_a_results_line_round_trips():
     line = result.to_json()
     decoded = orjson.loads(line)
     assert decoded["mlflow_trace_id"] == "tr-fbc0f5ad6ca73f8513acf8d6068d4397"
+    assert decoded["session_id"] == "conv-7" and decoded["user_id"] == "u-3"
+    # A turn of a session is keyed by its session id, so every turn lands on one partition.
+    assert result.key == "conv-7"
     assert decoded["assessments"][0]["judge"] == {"endpoint": "default", "model": "gpt-4o-mini",
                                                   "version": "0123456789ab"}
     assert decoded["assessments"][1]["judge"] == {"endpoint": None, "model": None, "version": "ba9876543210"}
@@ -117,9 +121,17 @@ def test_a_results_line_round_trips():
 
 def test_the_version_rule():
     line = orjson.loads(full_result().to_json())
-    assert schema_version_of(line) == 2
+    assert schema_version_of(line) == 3
+    # A version 2 line (no session or user id) still reads: both None, keyed by trace id again.
+    v2 = {k: v for k, v in line.items() if k not in ("session_id", "user_id")}
+    v2["schema_version"] = 2
+    old2 = EvaluationResult.from_dict(v2)
+    assert old2.record.session_id is None and old2.record.user_id is None
+    assert old2.key == "fbc0f5ad6ca73f8513acf8d6068d4397"
+    assert old2.assessments == full_result().assessments
     # A line without `schema_version` is version 1 (written before this field existed) and still reads.
-    v1 = {k: v for k, v in line.items() if k not in ("schema_version", "mlflow_trace_id")}
+    v1 = {k: v for k, v in line.items()
+          if k not in ("schema_version", "mlflow_trace_id", "session_id", "user_id")}
     v1["assessments"] = [{k: v for k, v in a.items()
                           if k not in ("judge", "span_id", "input_tokens", "output_tokens", "sample_rate")}
                          for a in v1["assessments"]]
@@ -128,9 +140,9 @@ def test_the_version_rule():
     assert old.assessments[0].judge is None and old.assessments[0].input_tokens is None
     assert old.mlflow_trace_id == "tr-fbc0f5ad6ca73f8513acf8d6068d4397"  # recomputed from the record
     # A newer version than this reader knows is refused, not half-read.
-    with pytest.raises(ValueError, match="schema_version 3 is newer than this reader's 2"):
-        EvaluationResult.from_dict({**line, "schema_version": 3})
-    for bad in ("2", 2.0, True, 0, None):
+    with pytest.raises(ValueError, match="schema_version 4 is newer than this reader's 3"):
+        EvaluationResult.from_dict({**line, "schema_version": 4})
+    for bad in ("3", 3.0, True, 0, None):
         with pytest.raises(ValueError, match="schema_version must be a positive integer"):
             schema_version_of({"schema_version": bad})
     with pytest.raises(msgspec.ValidationError):
@@ -179,8 +191,8 @@ def test_mlflow_trace_id_of_each_source_format():
     assert mlflow_trace_id(EvalRecord(source_format="mlflow_v3")) is None
 
 
-def test_eval_writes_version_2_lines_with_the_mlflow_trace_id_of_each_format(tmp_path):
-    """`tracejudge eval` on one file mixing every format, heuristic judges on: each line says version 2,
+def test_eval_writes_version_3_lines_with_the_mlflow_trace_id_of_each_format(tmp_path):
+    """`tracejudge eval` on one file mixing every format, heuristic judges on: each line says version 3,
     its MLflow trace id, and who judged it."""
     from support.mlflow_apps import run as run_app
     from support.otel_producers import Producer, genai_trace, kafka_messages
@@ -202,10 +214,16 @@ def test_eval_writes_version_2_lines_with_the_mlflow_trace_id_of_each_format(tmp
     proc = subprocess.run([sys.executable, "-m", "tracejudge.consumer.cli", "eval", str(src), "--config",
                            str(config), "--quiet"], capture_output=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr.decode()
-    lines = [orjson.loads(x) for x in proc.stdout.splitlines()]
+    # Trace result lines only (a session's own result line, `"kind": "session"`, is another shape).
+    lines = [x for x in map(orjson.loads, proc.stdout.splitlines()) if x.get("kind") != "session"]
     by_format = {x["source_format"]: x for x in lines}
     assert sorted(by_format) == ["agent_eval", "mlflow_v2", "mlflow_v3", "otlp_json"]
-    assert all(x["schema_version"] == 2 for x in lines)
+    assert all(x["schema_version"] == 3 for x in lines)
+    # The OTel producer's root span states `session.id`; the others state no conversation, and
+    # none states a user: nothing is guessed.
+    assert {f: x["session_id"] for f, x in by_format.items()} == {
+        "otlp_json": "sess-1", "mlflow_v3": None, "mlflow_v2": None, "agent_eval": None}
+    assert all(x["user_id"] is None for x in lines)
     assert by_format["otlp_json"]["mlflow_trace_id"] == "tr-" + otel.trace_id
     assert by_format["mlflow_v3"]["mlflow_trace_id"] == mlflow3_id and mlflow3_id.startswith("tr-")
     assert by_format["mlflow_v2"]["mlflow_trace_id"] == json.loads(v2)["info"]["request_id"]

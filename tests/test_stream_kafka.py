@@ -33,7 +33,12 @@ from support.otel_producers import Producer, genai_trace, interleave, kafka_mess
 from tracejudge.consumer import sinks
 from tracejudge.consumer.pipeline import Pipeline
 from tracejudge.consumer.stream import StreamRunner
-from tracejudge.schemas.result import Assessment, SourceRef
+from tracejudge.schemas.result import Assessment, SourceRef, session_key
+
+
+def result_key(line: dict) -> str:
+    """The key a result line is published under: its session's, else its trace id."""
+    return session_key(line["session_id"])[0] if line.get("session_id") else line["trace_id"]
 
 
 def all_committed(bootstrap: str, group: str, topic: str, placed: list[tuple[int, int]]) -> bool:
@@ -77,15 +82,17 @@ def test_every_trace_is_counted_published_and_committed(broker, workers):
     # An embedded runner leaves its host's collector alone (only `tracejudge run` tunes it).
     assert gc.get_freeze_count() == 0 and gc.get_threshold()[0] == 700
     assert len(out) == 60 and sorted(coordinates(out)) == sorted(placed)
-    # One result per trace, keyed by its trace id, exactly what the offline pipeline computes.
+    # One result per trace, keyed by its session (the agent's turns state one) else its trace id,
+    # exactly what the offline pipeline computes.
     pipeline = Pipeline(app_tag="app")
-    by_key = {r.key.decode(): orjson.loads(r.value) for r in out}
-    assert set(by_key) == {t.trace_id.removeprefix("tr-") for t in traces}
+    by_trace = {orjson.loads(r.value)["trace_id"]: orjson.loads(r.value) for r in out}
+    assert all(r.key.decode() == result_key(orjson.loads(r.value)) for r in out)
+    assert set(by_trace) == {t.trace_id.removeprefix("tr-") for t in traces}
     for trace, (partition, offset) in zip(traces, placed, strict=True):
         source = SourceRef("mlflow", topic=topic, partition=partition, offset=offset)
         offline = pipeline.evaluate(pipeline.normalise(trace.payload, "mlflow"), source)
         expected = orjson.loads(offline.to_json())
-        assert by_key[trace.trace_id.removeprefix("tr-")] == expected
+        assert by_trace[trace.trace_id.removeprefix("tr-")] == expected
     failed = sum(t.failed for t in traces)
     assert failed > 0
     assert sum(v for k, v in _series(text, "tracejudge_traces_total").items() if "error" in k) == failed
@@ -335,10 +342,11 @@ def test_otlp_spans_are_assembled_into_traces_and_committed_once_exported(broker
         assert metric(port, "tracejudge_records_total", outcome="ok") == len(messages)
         assert metric(port, "tracejudge_traces_total", app="support-bot") == len(recorded)
         assert metric(port, "tracejudge_assembly_traces_emitted_total", reason="complete") == len(recorded)
-    results_by_key = {r.key.decode(): orjson.loads(r.value) for r in out}
-    assert set(results_by_key) == {r.trace_id for r in recorded}
+    results_by_trace = {orjson.loads(r.value)["trace_id"]: orjson.loads(r.value) for r in out}
+    assert all(r.key.decode() == result_key(orjson.loads(r.value)) for r in out)
+    assert set(results_by_trace) == {r.trace_id for r in recorded}
     for rec in recorded:
-        got = results_by_key[rec.trace_id]
+        got = results_by_trace[rec.trace_id]
         assert (got["request"], got["response"]) == (rec.question, rec.answer)
 
 

@@ -89,8 +89,10 @@ def test_a_consumer_killed_mid_stream_and_restarted_loses_no_trace(broker):
         assert restarted.finish(timeout=60) == 0, restarted.log[-3000:]
     finally:
         restarted.kill()
-    keys_seen = {r.key.decode() for r in out}
-    assert keys_seen == {t.trace_id.removeprefix("tr-") for t in traces}
+    # Keyed by session (the agent's turns state one), else trace id; one result per trace.
+    lines = [orjson.loads(r.value) for r in out]
+    assert [r.key.decode() for r in out] == [x["session_id"] or x["trace_id"] for x in lines]
+    assert {x["trace_id"] for x in lines} == {t.trace_id.removeprefix("tr-") for t in traces}
     sources = {(orjson.loads(r.value)["source"]["partition"], orjson.loads(r.value)["source"]["offset"])
                for r in out}
     assert sources == set(placed)

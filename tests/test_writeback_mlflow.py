@@ -99,9 +99,10 @@ def ours(assessments: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def result_for(trace_id: str, assessments: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    """A schema-2 result line for an MLflow trace id (the shape `tracejudge run` publishes)."""
-    return {"schema_version": 2, "request_id": trace_id.removeprefix("tr-"),
+    """A schema-3 result line for an MLflow trace id (the shape `tracejudge run` publishes)."""
+    return {"schema_version": 3, "request_id": trace_id.removeprefix("tr-"),
             "trace_id": trace_id.removeprefix("tr-"), "mlflow_trace_id": trace_id,
+            "session_id": None, "user_id": None,
             "source_format": "otlp_proto",
             "source": {"format": "otlp_proto", "topic": "otlp_spans", "partition": 3, "offset": 41},
             "metrics": {"latency_seconds": 1.25, "retrieved_documents": 2, "document_recall": None},
