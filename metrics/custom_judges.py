@@ -113,7 +113,8 @@ class CustomJudge(Judge):
             name=name,
             settings=config,
             endpoint=endpoint,
-            inputs=tuple(dict.fromkeys(_INPUT_OF[p] for p in placeholders)),
+            # `{conversation}` (a session judge, `session_judges.SessionCustomJudge`) is no record input.
+            inputs=tuple(dict.fromkeys(_INPUT_OF[p] for p in placeholders if p in _INPUT_OF)),
             endpoint_name=endpoint_name,
         )
         self.config = config
@@ -197,26 +198,38 @@ class CustomJudge(Judge):
             values = self.values(record, context=values["context"][:room_chars] + "\n[context truncated]")
             prompt = render(c.prompt, **values)
             tokens = estimate_tokens(self.system) + estimate_tokens(prompt)
-        structured = not (c.scale == "numeric" and c.answer_format == "first_line")
-        lo, hi = c.min_score, c.max_score
 
         async def run(ctx: JudgeContext) -> Assessment:
-            text = await ctx.chat(
-                prompt,
-                schema=self.schema,
-                schema_name=f"{self.name}_judgement",
-                system=self.system,
-                structured=structured,
-            )
-            if c.scale == "yes_no":
-                ok, why = parse_verdict(text)
-                return self.assessment(
-                    value="yes" if ok else "no", score=1.0 if ok else 0.0, passed=ok, rationale=why
-                )
-            v, why = parse_score(text, lo, hi) if structured else parse_first_line_score(text, lo, hi)
-            value: float | int = int(v) if v.is_integer() else v
-            return self.assessment(
-                value=value, score=(v - lo) / (hi - lo), passed=v >= self.pass_threshold, rationale=why
-            )
+            return self.verdict(await self.ask(ctx, prompt))
 
         return Job(Cost(1, tokens + OUTPUT_TOKENS_ESTIMATE), run)
+
+    @property
+    def structured(self) -> bool:
+        """False for a numeric scale answered on the first line (no JSON asked for)."""
+        return not (self.config.scale == "numeric" and self.config.answer_format == "first_line")
+
+    async def ask(self, ctx: JudgeContext, prompt: str) -> str:
+        """The judge's answer to a rendered template (shared with the custom session judges)."""
+        return await ctx.chat(
+            prompt,
+            schema=self.schema,
+            schema_name=f"{self.name}_judgement",
+            system=self.system,
+            structured=self.structured,
+        )
+
+    def verdict(self, text: str) -> Assessment:
+        """The assessment an answer states, parsed strictly for the judge's scale."""
+        c = self.config
+        lo, hi = c.min_score, c.max_score
+        if c.scale == "yes_no":
+            ok, why = parse_verdict(text)
+            return self.assessment(
+                value="yes" if ok else "no", score=1.0 if ok else 0.0, passed=ok, rationale=why
+            )
+        v, why = parse_score(text, lo, hi) if self.structured else parse_first_line_score(text, lo, hi)
+        value: float | int = int(v) if v.is_integer() else v
+        return self.assessment(
+            value=value, score=(v - lo) / (hi - lo), passed=v >= self.pass_threshold, rationale=why
+        )

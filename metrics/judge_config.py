@@ -22,6 +22,14 @@ Example (see deploy/config/judges.example.yaml for a commented one):
         relevance_to_query: {}
       custom:
         correctness_1to5: {prompt: "...{request}...{response}...{expected_response}", scale: numeric}
+        polite_throughout: {prompt: "Is the assistant polite in every turn?\n{conversation}"}
+      sessions:                       # session judges (a conversation as a whole)
+        user_frustration: {}
+        conversational_guidelines: {guidelines: ["Never promise a delivery date."]}
+
+Session judges (`sessions:`, and custom judges whose template uses `{conversation}`) judge a whole
+conversation (`tracejudge.metrics.session_judges`); they never run as trace judges, and trace judges
+never run on conversations.
 """
 
 from __future__ import annotations
@@ -38,9 +46,13 @@ __all__ = [
     "BUILTIN_JUDGES",
     "HEURISTIC_JUDGES",
     "PLACEHOLDERS",
+    "SESSION_HEURISTIC_JUDGES",
+    "SESSION_JUDGES",
+    "SESSION_PLACEHOLDER",
     "AnswerRelevancySettings",
     "BuiltinJudges",
     "ChunkRelevanceSettings",
+    "ConversationalGuidelinesSettings",
     "CustomJudgeConfig",
     "EndpointConfig",
     "FactCheckSettings",
@@ -49,6 +61,7 @@ __all__ = [
     "JudgeConfigError",
     "JudgeSettings",
     "JudgesConfig",
+    "SessionJudges",
     "find_placeholders",
     "load_judges_config",
     "resolve_api_key",
@@ -69,6 +82,21 @@ BUILTIN_JUDGES: tuple[str, ...] = (
 HEURISTIC_JUDGES: tuple[str, ...] = ("groundedness", "relevance_to_query")
 # The record fields a custom judge's prompt template may name.
 PLACEHOLDERS: tuple[str, ...] = ("request", "response", "context", "expected_response", "trajectory")
+# Session judges, named as MLflow names its session scorers (the snake_case of the scorer class), so
+# their assessments line up with MLflow's own session scoring.
+SESSION_JUDGES: tuple[str, ...] = (
+    "user_frustration",
+    "conversation_completeness",
+    "knowledge_retention",
+    "conversational_role_adherence",
+    "conversational_safety",
+    "conversational_guidelines",
+)
+# The session judges the model-free provider can answer.
+SESSION_HEURISTIC_JUDGES: tuple[str, ...] = ("user_frustration",)
+# The placeholder that makes a custom judge a session judge: the conversation as a transcript. A
+# session template names no other placeholder (a conversation has no single request or response).
+SESSION_PLACEHOLDER = "conversation"
 
 # Default sample rates: the heuristic is free, a model endpoint is not.
 DEFAULT_HEURISTIC_SAMPLE_RATE = 1.0
@@ -228,6 +256,27 @@ class BuiltinJudges(_Strict):
         return {n: s for n in BUILTIN_JUDGES if (s := getattr(self, n)) is not None and s.enabled}
 
 
+class ConversationalGuidelinesSettings(JudgeSettings):
+    # The rules every assistant turn must follow; required (there is no per-record source for them).
+    guidelines: list[str] = Field(min_length=1)
+
+
+class SessionJudges(_Strict):
+    """`judges.sessions`: one optional entry per built-in session judge; an unknown name is a
+    configuration error. Filters of a session judge may name `apps` only (status and tags belong to
+    single traces)."""
+
+    user_frustration: JudgeSettings | None = None
+    conversation_completeness: JudgeSettings | None = None
+    knowledge_retention: JudgeSettings | None = None
+    conversational_role_adherence: JudgeSettings | None = None
+    conversational_safety: JudgeSettings | None = None
+    conversational_guidelines: ConversationalGuidelinesSettings | None = None
+
+    def configured(self) -> dict[str, JudgeSettings]:
+        return {n: s for n in SESSION_JUDGES if (s := getattr(self, n)) is not None and s.enabled}
+
+
 def find_placeholders(template: str) -> list[str]:
     """The placeholder names a template uses, in order of first use (escaped braces excluded)."""
     seen: dict[str, None] = {}
@@ -241,7 +290,9 @@ class CustomJudgeConfig(JudgeSettings):
     """A judge defined in configuration (Vertex-style criteria + rubric, named placeholders).
 
     The template names record fields as `{request}`, `{response}`, `{context}`, `{expected_response}`,
-    `{trajectory}`; `{{`/`}}` write a literal brace. A record lacking a field the template names is
+    `{trajectory}`; `{{`/`}}` write a literal brace. A template that names `{conversation}` (and
+    nothing else) makes a session judge: it sees a conversation's turns as a transcript and runs in the
+    session stage, never on single traces. A record lacking a field the template names is
     skipped (missing_inputs). The answer is asked for as JSON `{"rationale", "result": "yes"|"no"}`
     (scale yes_no) or `{"rationale", "score": n}` (scale numeric, `min_score..max_score`, mapped
     linearly to [0, 1]); `answer_format: first_line` instead reads a bare number on the first line
@@ -265,12 +316,19 @@ class CustomJudgeConfig(JudgeSettings):
     @classmethod
     def _template(cls, v: str) -> str:
         used = find_placeholders(v)
-        unknown = [p for p in used if p not in PLACEHOLDERS]
+        unknown = [p for p in used if p not in (*PLACEHOLDERS, SESSION_PLACEHOLDER)]
         if unknown:
             raise ValueError(
                 f"unknown placeholder {{{unknown[0]}}}; known: "
                 + ", ".join("{" + p + "}" for p in PLACEHOLDERS)
+                + f" for trace judges, {{{SESSION_PLACEHOLDER}}} for session judges"
                 + " (write {{ and }} for a literal brace)"
+            )
+        if SESSION_PLACEHOLDER in used and len(used) > 1:
+            other = next(p for p in used if p != SESSION_PLACEHOLDER)
+            raise ValueError(
+                f"{{{SESSION_PLACEHOLDER}}} makes a session judge, which sees whole conversations; "
+                f"it cannot also name {{{other}}} (a field of a single trace)"
             )
         if not used:
             raise ValueError(
@@ -303,6 +361,11 @@ class CustomJudgeConfig(JudgeSettings):
     def placeholders(self) -> list[str]:
         return find_placeholders(self.prompt)
 
+    @property
+    def is_session(self) -> bool:
+        """True when the template names `{conversation}`: a session judge."""
+        return SESSION_PLACEHOLDER in self.placeholders
+
 
 class JudgesConfig(_Strict):
     endpoints: dict[str, EndpointConfig] = Field(default_factory=dict)
@@ -323,6 +386,10 @@ class JudgesConfig(_Strict):
     # judges groundedness, relevance_to_query, safety and correctness.
     builtin: BuiltinJudges | None = None
     custom: dict[str, CustomJudgeConfig] = Field(default_factory=dict)
+    # Session judges. None: the heuristic user_frustration without an endpoint; with one, the model
+    # judges user_frustration and conversation_completeness. Custom judges whose template names
+    # `{conversation}` are session judges too.
+    sessions: SessionJudges | None = None
 
     @model_validator(mode="after")
     def _references(self) -> JudgesConfig:
@@ -340,31 +407,44 @@ class JudgesConfig(_Strict):
         if len(self.endpoints) > 1 and self.default_endpoint is None and "default" not in self.endpoints:
             needs_default = any(
                 s.endpoint is None and self.provider_of(n, s) == "llm"
-                for n, s in self.judge_settings().items()
+                for n, s in (*self.judge_settings().items(), *self.session_judge_settings().items())
             )
             if needs_default:
                 raise ValueError(
                     "default_endpoint: several endpoints are defined and none is named "
                     "'default'; name the default_endpoint or set endpoint on each judge"
                 )
-        for name, settings in self.judge_settings().items():
+        trace_judges = self.judge_settings()
+        session_judges = self.session_judge_settings()
+        for name, settings in (*trace_judges.items(), *session_judges.items()):
             key = self.key_of(name)
-            if name in self.custom and (not _NAME.match(name) or name in BUILTIN_JUDGES):
+            session = name in session_judges
+            if name in self.custom and (
+                not _NAME.match(name) or name in BUILTIN_JUDGES or name in SESSION_JUDGES
+            ):
                 raise ValueError(
                     f"{key}: a custom judge name must be a lowercase identifier "
                     "that is not a built-in judge's name"
                 )
-            provider = self.provider_of(name, settings)
-            if provider == "heuristic":
-                if name not in HEURISTIC_JUDGES:
+            if session:
+                flt = settings.filters
+                if flt is not None and (flt.status is not None or flt.tags):
                     raise ValueError(
-                        f"{key}.provider: only {', '.join(HEURISTIC_JUDGES)} have a heuristic provider"
+                        f"{key}.filters: a session judge filters on apps only "
+                        "(status and tags belong to single traces)"
+                    )
+            provider = self.provider_of(name, settings)
+            heuristic_ok = SESSION_HEURISTIC_JUDGES if session else HEURISTIC_JUDGES
+            if provider == "heuristic":
+                if name not in heuristic_ok:
+                    raise ValueError(
+                        f"{key}.provider: only {', '.join(heuristic_ok)} have a heuristic provider"
                     )
                 continue
             if not self.endpoints:
                 raise ValueError(
                     f"{key}: needs a judge endpoint, and judges.endpoints is empty (without an "
-                    f"endpoint only {', '.join(HEURISTIC_JUDGES)} can run, with the heuristic "
+                    f"endpoint only {', '.join(heuristic_ok)} can run, with the heuristic "
                     "provider)"
                 )
             if settings.endpoint is not None and settings.endpoint not in self.endpoints:
@@ -398,16 +478,31 @@ class JudgesConfig(_Strict):
             }
         else:
             out = {n: JudgeSettings(provider="heuristic") for n in HEURISTIC_JUDGES}
-        out.update((n, c) for n, c in self.custom.items() if c.enabled)
+        out.update((n, c) for n, c in self.custom.items() if c.enabled and not c.is_session)
+        return out
+
+    def session_judge_settings(self) -> dict[str, JudgeSettings]:
+        """Every enabled session judge by name, built-in first (`sessions:`, or the defaults), then
+        the custom judges whose template names `{conversation}`."""
+        if self.sessions is not None:
+            out: dict[str, JudgeSettings] = dict(self.sessions.configured())
+        elif self.endpoints and self.default_endpoint_name is not None:
+            out = {n: JudgeSettings() for n in ("user_frustration", "conversation_completeness")}
+        else:
+            # No endpoint (or several and none is the default): the model-free user_frustration.
+            out = {n: JudgeSettings(provider="heuristic") for n in SESSION_HEURISTIC_JUDGES}
+        out.update((n, c) for n, c in self.custom.items() if c.enabled and c.is_session)
         return out
 
     def key_of(self, name: str) -> str:
-        return f"custom.{name}" if name in self.custom else f"builtin.{name}"
+        if name in self.custom:
+            return f"custom.{name}"
+        return f"sessions.{name}" if name in SESSION_JUDGES else f"builtin.{name}"
 
     def provider_of(self, name: str, settings: JudgeSettings) -> str:
         if settings.provider:
             return settings.provider
-        if name in HEURISTIC_JUDGES and not self.endpoints:
+        if (name in HEURISTIC_JUDGES or name in SESSION_HEURISTIC_JUDGES) and not self.endpoints:
             return "heuristic"
         return "llm"
 
@@ -454,11 +549,14 @@ def load_judges_config(
         if m and not loc:
             raise JudgeConfigError(f"{prefix}.{m.group(1)}", m.group(2)) from None
         if err.get("type") == "extra_forbidden":
-            msg = "unknown key" + (
-                f" (built-in judges: {', '.join(BUILTIN_JUDGES)})"
-                if loc[:1] == ("builtin",) and len(loc) == 2
-                else ""
-            )
+            msg = "unknown key"
+            if loc[:1] == ("builtin",) and len(loc) == 2:
+                msg += f" (built-in judges: {', '.join(BUILTIN_JUDGES)})"
+            elif loc[:1] == ("sessions",) and len(loc) == 2:
+                hint = f"conversational_{loc[1]}" if f"conversational_{loc[1]}" in SESSION_JUDGES else None
+                msg += f" (session judges: {', '.join(SESSION_JUDGES)})" + (
+                    f"; did you mean {hint}?" if hint else ""
+                )
         raise JudgeConfigError(_dotted(loc, prefix), msg) from None
 
 

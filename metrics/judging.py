@@ -94,7 +94,9 @@ class _Configured:
 
 @dataclass
 class _Plan:
-    record: EvalRecord
+    # What the judges judge: an EvalRecord here; a session's prepared transcript for the session
+    # judges (`tracejudge.metrics.session_judges`, which reuses this runner's machinery).
+    subject: Any
     app: str
     # Per configured judge, in order: the decided Assessment (a skip) or the judge to run.
     slots: list[Assessment | _Configured]
@@ -119,14 +121,12 @@ class JudgeRunner:
     ):
         self.config = load_judges_config(config)
         if metrics is None:
-            metrics = JudgeMetrics(
-                registry if registry is not None else CollectorRegistry(), app_label or default_app_label
-            )
+            metrics = self._new_metrics(registry if registry is not None else CollectorRegistry(), app_label)
         self.metrics = metrics
         self._clock = clock
         self.clients: dict[str, JudgeClient] = {}
         self.budgets: dict[str, EndpointBudget] = {}
-        self._judges = [self._configure(n, s, env) for n, s in self.config.judge_settings().items()]
+        self._judges = self._configure_all(env)
         self._lock = threading.Lock()
         self._in_flight = 0
         self._closed = False
@@ -135,6 +135,14 @@ class JudgeRunner:
         self._thread: threading.Thread | None = None
 
     # ----------------------------------------------------------------------------------- set-up
+    # Hooks a runner over other subjects (the session judges) overrides: its metrics, its judges,
+    # how it plans a subject (`_plan`) and what a verdict observes (`_observe_verdict`).
+    def _new_metrics(self, registry: CollectorRegistry, app_label: Callable[[str | None], str] | None) -> Any:
+        return JudgeMetrics(registry, app_label or default_app_label)
+
+    def _configure_all(self, env: Mapping[str, str] | None) -> list[_Configured]:
+        return [self._configure(n, s, env) for n, s in self.config.judge_settings().items()]
+
     def _client(self, name: str, env: Mapping[str, str] | None) -> JudgeClient:
         if name not in self.clients:
             cfg = self.config.endpoints[name]
@@ -272,7 +280,7 @@ class JudgeRunner:
         assert isinstance(cj.judge, HeuristicJudge)
         t0 = time.perf_counter()
         try:
-            a = cj.judge.judge_now(plan.record)
+            a = cj.judge.judge_now(plan.subject)
         except NotApplicable as exc:
             return self._skip(plan.app, cj, "not_applicable", str(exc))
         except Exception as exc:  # a bug in a heuristic must not lose the record
@@ -291,10 +299,13 @@ class JudgeRunner:
         a.sample_rate = cj.rate
         self.metrics.observe_duration(cj.name, seconds)
         if a.error is None and a.skipped is None:
-            self.metrics.observe_verdict(
-                plan.app, cj.name, passed=a.passed, score=a.score, trace_id=plan.record.trace_id
-            )
+            self._observe_verdict(plan, cj, a)
         return a
+
+    def _observe_verdict(self, plan: _Plan, cj: _Configured, a: Assessment) -> None:
+        self.metrics.observe_verdict(
+            plan.app, cj.name, passed=a.passed, score=a.score, trace_id=plan.subject.trace_id
+        )
 
     async def _run_remote(self, cj: _Configured, plan: _Plan) -> Assessment:
         assert cj.client is not None
@@ -303,7 +314,7 @@ class JudgeRunner:
         ):
             return self._skip(plan.app, cj, "circuit_open")
         try:
-            job = cj.judge.prepare(plan.record)
+            job = cj.judge.prepare(plan.subject)
         except TooLarge as exc:
             return self._skip(plan.app, cj, "too_large", str(exc))
         except NotApplicable as exc:
