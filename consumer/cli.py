@@ -1,4 +1,5 @@
-"""The `tracejudge` command: `eval` (files), `run` (Kafka), `sink` (write-back), `demo` (everything embedded).
+"""The `tracejudge` command: `eval` (files), `run` (Kafka), `sessions` (conversations), `sink` (write-back),
+`demo` (everything embedded).
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `main(args) -> int`;
 this file only wires them together, importing a subcommand's module when it is chosen so that
@@ -19,6 +20,8 @@ from tracejudge.consumer.log_setup import configure_library_logs
 SUBCOMMANDS = {
     "eval": ("tracejudge.consumer.offline", "evaluate JSON Lines files offline (same scores as the stream)"),
     "run": ("tracejudge.consumer.stream", "consume traces from Kafka and export quality to Prometheus"),
+    "sessions": ("tracejudge.consumer.sessions", "gather the trace results into conversations and evaluate "
+                                                 "each session when it goes quiet"),
     "sink": ("tracejudge.consumer.sink_stage", "write the judges' verdicts from the results topic back to "
                                                "MLflow or an OpenTelemetry collector"),
     "demo": ("tracejudge.consumer.demo.command", "run a local broker, a synthetic agent and the evaluator"),

@@ -49,6 +49,7 @@ __all__ = [
     "LoggingSettings",
     "ProducerSettings",
     "PrometheusSettings",
+    "SessionsSettings",
     "Settings",
     "SinkSettings",
     "StreamSettings",
@@ -307,6 +308,9 @@ class StreamSettings(Section):
     dead_letter_topic: str | None = None
     # The trace tag whose value names the app (the `app` label); else the source's own notion.
     app_tag: str | None = None
+    # The trace tag (MLflow tag or metadata key, span attribute, row field) whose value is the
+    # record's session id, over the conventions (`mlflow.trace.session`, `session.id`, ...).
+    session_tag: str | None = None
     # Records fetched and not yet exported; past it fetching pauses (memory stays bounded).
     max_in_flight: int = Field(default=2_000, gt=0)
     # Processes that decode and score MLflow / agent-evaluation / inference-log records beside the
@@ -461,6 +465,10 @@ class SinkSettings(Section):
 
     # Default: stream.results_topic.
     results_topic: str | None = None
+    # The session results to write back too (sinks that handle sessions). Default: sessions.results_topic.
+    session_results_topic: str | None = None
+    # False: write trace verdicts only, even when a session results topic is configured.
+    write_sessions: bool = True
     # Where records that are not tracejudge results (or of a newer schema version) go; else logged.
     dead_letter_topic: str | None = None
     # Default: tracejudge-sink-<kind>, so every kind reads every result.
@@ -476,7 +484,7 @@ class SinkSettings(Section):
     mlflow: dict[str, Any] | None = None
     otlp: dict[str, Any] | None = None
 
-    @field_validator("results_topic", "dead_letter_topic")
+    @field_validator("results_topic", "session_results_topic", "dead_letter_topic")
     @classmethod
     def _topic(cls, v: str | None) -> str | None:
         if v is not None and (not _TOPIC_NAME.match(v) or v in (".", "..")):
@@ -509,6 +517,9 @@ class SinkSettings(Section):
         if self.dead_letter_topic is not None and self.dead_letter_topic == self.results_topic:
             raise _KeyedError("dead_letter_topic", "is the results topic; the sink would read its own "
                               "dead letters")
+        if self.dead_letter_topic is not None and self.dead_letter_topic == self.session_results_topic:
+            raise _KeyedError("dead_letter_topic", "is the session results topic; the sink would read its "
+                              "own dead letters")
         return self
 
     def kinds(self) -> dict[str, str]:
@@ -521,6 +532,45 @@ class SinkSettings(Section):
         return dict(value or {})
 
 
+class SessionsSettings(Section):
+    """`tracejudge sessions`: the session stage (`consumer/sessions.py`). It reads the trace results
+    (`input_topic`, default `stream.results_topic`), gathers the turns of each session, and writes one
+    session result per closed session to `results_topic` (required for the stage)."""
+
+    # Default: stream.results_topic.
+    input_topic: str | None = None
+    results_topic: str | None = None
+    # Where records that are not trace results (or of a newer schema version) go; else logged.
+    dead_letter_topic: str | None = None
+    # Default: tracejudge-sessions.
+    group_id: str | None = None
+    # A session closes this long after its last turn (stream time of its partition, or wall clock).
+    inactivity_s: float = Field(default=300.0, gt=0)
+    # A session reaching either is closed early, as incomplete.
+    max_turns: int = Field(default=100, gt=0)
+    max_duration_s: float = Field(default=3600.0, gt=0)
+    # Memory caps: past one, the least recently active sessions are closed early (evicted).
+    max_open_sessions: int = Field(default=100_000, gt=0)
+    max_turns_held: int = Field(default=1_000_000, gt=0)
+    max_bytes_held: int = Field(default=536_870_912, gt=0)
+    # Closed sessions remembered (with their turns) so a late turn reopens them; 0 never reopens.
+    max_closed_sessions: int = Field(default=10_000, ge=0)
+
+    @field_validator("input_topic", "results_topic", "dead_letter_topic")
+    @classmethod
+    def _topic(cls, v: str | None) -> str | None:
+        if v is not None and (not _TOPIC_NAME.match(v) or v in (".", "..")):
+            raise ValueError(f"{v!r} is not a valid Kafka topic name")
+        return v or None
+
+    @field_validator("group_id")
+    @classmethod
+    def _group(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+
 class Settings(Section):
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     stream: StreamSettings = Field(default_factory=StreamSettings)
@@ -531,6 +581,8 @@ class Settings(Section):
     otlp: OtlpSettings = Field(default_factory=OtlpSettings)
     # `tracejudge sink <kind>` (write-back of verdicts from the results topic).
     sink: SinkSettings = Field(default_factory=SinkSettings)
+    # `tracejudge sessions` (session-level evaluation of the trace results).
+    sessions: SessionsSettings = Field(default_factory=SessionsSettings)
     # Computed-metric options and custom metric functions (tracejudge.metrics.computed).
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     # LLM / heuristic judges (tracejudge.metrics.judge_config); no section: no judges run.
@@ -653,6 +705,11 @@ _FLAG_NAMES = {
     "sink.group_id": "--group-id",
     "sink.results_topic": "--results-topic",
     "sink.dead_letter_topic": "--dead-letter-topic",
+    # `tracejudge sessions`
+    "sessions.group_id": "--group-id",
+    "sessions.input_topic": "--input-topic",
+    "sessions.results_topic": "--results-topic",
+    "sessions.dead_letter_topic": "--dead-letter-topic",
 }
 
 
