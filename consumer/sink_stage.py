@@ -14,6 +14,13 @@ side by side and each fails and lags on its own:
                                                       the same batch offered again after a capped
                                                       exponential back-off; nothing past it committed
 
+Session results: when a session results topic is configured (`sink.session_results_topic`, default
+`sessions.results_topic`; `sink.write_sessions: false` turns it off) and the sink handles sessions
+(`Sink.accepts_sessions`, true for `mlflow` and `otlp`), the stage subscribes to it as well, in the same
+group: a `"kind": "session"` line is decoded into a `schemas.session.SessionResult` (`SinkRecord.session`)
+and batched, written and committed like any result. A session line met by a sink that does not handle
+sessions (a session topic shared with the results topic) is skipped, counted (`session_unsupported`).
+
 A sink is one small class (`consumer/writeback/base.py`): `write(batch) -> WriteReport`. Built-in
 kinds are `mlflow` and `otlp`; `sink.plugins: {kind: "package.module:Class"}` adds more. The sink's
 own section (`sink.<kind>`) is handed to its settings class's `from_mapping(mapping, "sink.<kind>")`
@@ -68,10 +75,11 @@ from tracejudge.consumer.sinks import DeadLetterSink, Publisher, RateLimitedLog
 from tracejudge.consumer.writeback.base import RetryLater, Sink, SinkBatch, SinkRecord, WriteReport
 from tracejudge.schemas import result as result_schema
 from tracejudge.schemas.result import SourceRef
+from tracejudge.schemas.session import SESSION_KIND, SessionResult
 
 __all__ = ["INVALID_JSON", "NOT_A_RESULT", "UNKNOWN_SCHEMA_VERSION", "BadResult", "SinkMetrics",
-           "SinkPlan", "SinkRunner", "SinkStage", "add_arguments", "build_sink", "decode_result",
-           "load_sink_class", "main", "plan_sink"]
+           "SinkPlan", "SinkRunner", "SinkStage", "add_arguments", "build_sink", "decode_line",
+           "decode_result", "load_sink_class", "main", "plan_sink"]
 
 log = logging.getLogger("tracejudge.sink")
 
@@ -100,10 +108,16 @@ class BadResult(ValueError):
 
 
 def decode_result(value: bytes | None) -> dict[str, Any]:
-    """One results-topic record as the result dict (`EvaluationResult.to_dict()`'s shape), or
-    `BadResult` saying why it is not one: not JSON, not an object with the result's keys
-    (`trace_id`, `request_id`, an `assessments` list of objects with a `name`), a field of the wrong
-    type, or a `schema_version` newer than `KNOWN_SCHEMA_VERSION`."""
+    """One results-topic record as the result dict (`EvaluationResult.to_dict()`'s shape, or
+    `SessionResult.to_dict()`'s for a `"kind": "session"` line), or `BadResult` saying why it is not
+    one: not JSON, not an object with the result's keys (`trace_id`, `request_id`, an `assessments`
+    list of objects with a `name`; a session result's fields, `schemas.session`), a field of the wrong
+    type, an unknown `kind`, or a `schema_version` newer than `KNOWN_SCHEMA_VERSION`."""
+    return decode_line(value)[0]
+
+
+def decode_line(value: bytes | None) -> tuple[dict[str, Any], SessionResult | None]:
+    """`decode_result`, plus the `SessionResult` of a session line (None for a trace result)."""
     if value is None:
         raise BadResult(NOT_A_RESULT, "the record has no value (a tombstone)")
     try:
@@ -118,6 +132,12 @@ def decode_result(value: bytes | None) -> dict[str, Any]:
     if version > KNOWN_SCHEMA_VERSION:
         raise BadResult(UNKNOWN_SCHEMA_VERSION, f"schema_version {version} is newer than this tracejudge "
                         f"reads ({KNOWN_SCHEMA_VERSION}); upgrade the sink")
+    kind = line.get("kind")
+    if kind == SESSION_KIND:
+        return line, _session(line)
+    if kind is not None:
+        raise BadResult(NOT_A_RESULT, f"unknown result kind {kind!r:.80} (known: a trace result, without "
+                        f"kind, and {SESSION_KIND!r})")
     missing = [k for k in ("trace_id", "request_id", "assessments") if k not in line]
     if missing:
         raise BadResult(NOT_A_RESULT, f"not a tracejudge result: no {', '.join(missing)}")
@@ -136,7 +156,22 @@ def decode_result(value: bytes | None) -> dict[str, Any]:
             from_dict(line)
         except (msgspec.ValidationError, ValueError, TypeError) as exc:
             raise BadResult(NOT_A_RESULT, f"not a tracejudge result: {exc}") from None
-    return line
+    return line, None
+
+
+def _session(line: dict[str, Any]) -> SessionResult:
+    """A session result line, every field typed as `SessionResult` says."""
+    if not isinstance(line.get("session_id"), str) or not line["session_id"]:
+        raise BadResult(NOT_A_RESULT, "not a tracejudge session result: no session_id")
+    assessments = line.get("assessments", [])
+    if not isinstance(assessments, list) or not all(
+            isinstance(a, dict) and isinstance(a.get("name"), str) for a in assessments):
+        raise BadResult(NOT_A_RESULT, "not a tracejudge session result: assessments must be a list of "
+                                      "objects with a string name")
+    try:
+        return SessionResult.from_dict(line)
+    except (msgspec.ValidationError, ValueError, TypeError) as exc:
+        raise BadResult(NOT_A_RESULT, f"not a tracejudge session result: {exc}") from None
 
 
 # -- metrics --------------------------------------------------------------------------------------
@@ -187,6 +222,12 @@ class SinkMetrics(ConsumerMetrics):
     # What `DeadLetterSink` counts.
     def count_dead_letter(self, topic: str, reason: str, routed: bool) -> None:
         self.dead_letters.labels(self.kind, reason).inc()
+
+    def count_skipped(self, report: WriteReport) -> None:
+        """Skips the stage decided itself (no batch written)."""
+        if self.skipped is not None:
+            for reason, n in report.skipped.items():
+                self.skipped.labels(self.kind, reason).inc(n)
 
     def written(self, report: WriteReport) -> None:
         self.batches.inc()
@@ -262,13 +303,22 @@ class SinkStage(Stage):
         self.failure: BaseException | None = None
         self._parts: dict[TopicPartition, _Partition] = {}
         self._log = RateLimitedLog(log)
+        # Session results are offered only to a sink that handles them (`Sink.accepts_sessions`).
+        self.sessions = bool(getattr(sink, "accepts_sessions", False))
+        self.session_topic = plan.session_results_topic if self.sessions else None
 
     # -- start-up -------------------------------------------------------------------------------------
 
     def topics(self) -> list[str]:
-        return [self.plan.results_topic]
+        topics = [self.plan.results_topic]
+        if self.session_topic and self.session_topic not in topics:
+            topics.append(self.session_topic)
+        return topics
 
     def subscription(self) -> str:
+        if self.session_topic and self.session_topic != self.plan.results_topic:
+            return (f"{self.plan.results_topic} (results) and {self.session_topic} (session results), for "
+                    f"the {self.kind} sink")
         return f"{self.plan.results_topic} (results, for the {self.kind} sink)"
 
     def prepare(self, runtime: ConsumerRuntime) -> None:
@@ -303,14 +353,28 @@ class SinkStage(Stage):
         for record in records:
             ticket = track(tp, record.offset)
             try:
-                result = decode_result(record.value)
+                result, session = decode_line(record.value)
             except BadResult as exc:
                 self._dead_letter(record, exc, ticket)
                 continue
+            if session is not None and not self.sessions:
+                self._unsupported_session(ticket)
+                continue
             if not part.records:
                 part.since = now
-            part.records.append(SinkRecord(record.topic, record.partition, record.offset, record.key, result))
+            part.records.append(SinkRecord(record.topic, record.partition, record.offset, record.key, result,
+                                           session))
             part.tickets.append(ticket)
+
+    def _unsupported_session(self, ticket: Ticket) -> None:
+        """A session result for a sink that does not handle sessions: skipped (counted), its offset
+        released for the next commit."""
+        report = WriteReport()
+        report.skip("session_unsupported")
+        self.metrics.count_skipped(report)
+        ticket.release()
+        assert self.runtime is not None
+        self.runtime.request_commit()
 
     def tick(self, now: float) -> None:
         if self.publisher is not None:
@@ -485,6 +549,8 @@ class SinkPlan:
     dead_letter_topic: str | None
     group_id: str
     section: dict[str, Any]
+    # The session results topic (read too by a sink that handles sessions); None: none configured.
+    session_results_topic: str | None = None
 
 
 def plan_sink(settings: Settings, kind: str) -> SinkPlan:
@@ -501,12 +567,25 @@ def plan_sink(settings: Settings, kind: str) -> SinkPlan:
     elif s.dead_letter_topic == topic:
         problems.append(("sink.dead_letter_topic", f"is the results topic {topic!r}; the sink would read "
                                                    "its own dead letters"))
+    session_topic = _session_topic(settings)
+    if session_topic is not None and s.dead_letter_topic == session_topic:
+        problems.append(("sink.dead_letter_topic", f"is the session results topic {session_topic!r}; the "
+                                                   "sink would read its own dead letters"))
     if problems:
         raise ConfigError(problems)
     assert topic is not None
     return SinkPlan(kind=kind, spec=kinds.get(kind), results_topic=topic,
                     dead_letter_topic=s.dead_letter_topic, group_id=s.group_id or f"tracejudge-sink-{kind}",
-                    section=s.section(kind))
+                    section=s.section(kind), session_results_topic=session_topic)
+
+
+def _session_topic(settings: Settings) -> str | None:
+    """`sink.session_results_topic`, else `sessions.results_topic`; None with `sink.write_sessions: false`."""
+    s = settings.sink
+    if not getattr(s, "write_sessions", True):
+        return None
+    sessions = getattr(settings, "sessions", None)
+    return getattr(s, "session_results_topic", None) or getattr(sessions, "results_topic", None)
 
 
 def load_sink_class(plan: SinkPlan, settings: Settings | None = None) -> type[Sink]:
@@ -601,8 +680,8 @@ class SinkRunner(ConsumerRuntime):
 
 
 # The settings a sink uses (the start-up summary and --check-config show only these).
-_SINK_STREAM_KEYS = ("stream.poll_timeout_ms", "stream.commit_interval_ms", "stream.shutdown_grace_seconds",
-                     "stream.lag_interval_seconds", "stream.max_in_flight")
+_SINK_STREAM_KEYS = ("sessions.results_topic", "stream.poll_timeout_ms", "stream.commit_interval_ms",
+                     "stream.shutdown_grace_seconds", "stream.lag_interval_seconds", "stream.max_in_flight")
 
 
 def _shown_for(settings: Settings, kind: str) -> Any:
@@ -663,6 +742,8 @@ def main(args: argparse.Namespace) -> int:
                 print(f"{key} = {json.dumps(value)}")
         print(f"sink.group_id (effective) = {json.dumps(plan.group_id)}")
         print(f"sink.results_topic (effective) = {json.dumps(plan.results_topic)}")
+        reads_sessions = plan.session_results_topic if getattr(cls, "accepts_sessions", False) else None
+        print(f"sink.session_results_topic (effective) = {json.dumps(reads_sessions)}")
         return 0
     try:
         registry = CollectorRegistry(auto_describe=True)

@@ -29,6 +29,16 @@ lag grows, nothing is lost. A write that can never succeed for one record (a tra
 after its retry window) is *skipped* by the sink and counted in the report by reason, so one bad
 record cannot hold a partition for ever. Any other exception ends the sink process (non-zero exit,
 nothing committed past the failed batch): a bug must not be mistaken for a skip.
+
+Session results. Besides one result per evaluated trace, the session stage (`tracejudge sessions`)
+writes one *session result* per evaluated conversation (`"kind": "session"`, `schemas.session.
+SessionResult`) to `sessions.results_topic`. The runtime reads that topic too (`sink.session_results_topic`,
+default `sessions.results_topic`), but only for a sink whose class says `accepts_sessions = True`, so a
+sink written before sessions never meets one: its records stay trace results. For a sink that does,
+`record.session` is the decoded `SessionResult` (its `first_turn` / `last_turn` name the traces to hang
+the session's verdicts on) and `record.result` the line as a dict (no `trace_id`: a session has several
+traces); `record.assessments()` are the session judges' assessments. A session evaluated again (a turn
+arrived after it closed) comes again with `evaluation` n+1; its verdicts replace the earlier ones.
 """
 
 from __future__ import annotations
@@ -36,24 +46,38 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from tracejudge.schemas.session import SessionResult
 
 __all__ = ["RetryLater", "Sink", "SinkBatch", "SinkRecord", "WriteReport"]
 
 
 @dataclass(frozen=True, slots=True)
 class SinkRecord:
-    """One result line from the results topic, decoded, with where it came from."""
+    """One result line from the results topic (or the session results topic), decoded, with where it
+    came from."""
 
     topic: str
     partition: int
     offset: int
     key: bytes | None
-    # The result line as `EvaluationResult.to_dict()` wrote it (README, "Result schema").
+    # The result line as `EvaluationResult.to_dict()` (or `SessionResult.to_dict()`) wrote it (README,
+    # "Result schema"): a dict for either kind, so sinks written before sessions keep working.
     result: dict[str, Any]
+    # The session result, for a `"kind": "session"` line (only sinks with `accepts_sessions` get
+    # those); None for a trace result.
+    session: SessionResult | None = None
+
+    @property
+    def kind(self) -> str:
+        """"session" for a session result, "trace" for a trace result."""
+        return "trace" if self.session is None else "session"
 
     @property
     def trace_id(self) -> str | None:
+        """The evaluated trace's id; None for a session result (see `session.first_turn`/`last_turn`)."""
         return self.result.get("trace_id")
 
     def assessments(self) -> list[dict[str, Any]]:
@@ -97,6 +121,9 @@ class Sink(ABC):
     label of its metrics) and implement `write`."""
 
     kind: ClassVar[str]
+    # True when `write` handles session results (`SinkRecord.session`); the runtime then reads the
+    # session results topic too. False (the default): the sink is offered trace results only.
+    accepts_sessions: ClassVar[bool] = False
 
     def setup(self) -> None:  # noqa: B027 - optional hook
         """Connect and check the configuration before the first poll; raise `ConfigError` (named

@@ -38,6 +38,25 @@ writing, the sink reads the batch's traces (`POST /api/3.0/mlflow/traces/batchGe
 is already on its trace (`already_written`). A redelivered result adds nothing; a new judge version
 adds a new feedback beside the old one; other assessments (a human's) are never touched.
 
+**Session results** (`"kind": "session"`, from the session results topic): each session judge's
+assessment becomes a feedback on the session's first trace, the chronologically first turn with an
+MLflow trace id, where MLflow's own session scoring logs it (`session_processor.py` ->
+`get_first_trace_in_session`), with `span_id` = that turn's root span when known, as MLflow does. The
+mapping above applies, plus metadata `mlflow.assessment.onlineScoringSessionId` and
+`mlflow.trace.session` = the session id (MLflow's marks), `tracejudge.evaluation` (the session's
+evaluation number), `tracejudge.sessionStatus`, `tracejudge.closeReason`, `tracejudge.turns` and
+`tracejudge.source.topic` / `.partition` / `.firstOffset` / `.lastOffset` (where its turns were read).
+Its `tracejudge.key` hashes trace, session id, judge name, judge version and evaluation number, so a
+redelivered session result adds nothing. A later evaluation (a turn arrived after the session closed)
+is a new feedback; once it is on the trace, the sink deletes this session's feedback of the same name
+from earlier evaluations (`DELETE .../assessments/{id}`, as MLflow's `_clean_up_old_assessments` does;
+counted in `tracejudge_sink_deletes_total`). Only feedback this sink wrote (its `tracejudge.key` and
+the session id in its metadata) is ever deleted: human assessments and MLflow's own scorers' are not
+touched. An earlier evaluation offered after a later one is on the trace (a redelivery) is skipped
+(`superseded`), as is an earlier evaluation of the same session in the same batch. Limit: when a late
+turn is earlier than the session's first trace, the new evaluation goes on that earlier trace and the
+former first trace keeps the earlier evaluation's feedback (MLflow behaves the same).
+
 **Outcomes** (`tracejudge_sink_writes_total{sink="mlflow", outcome}`, `tracejudge_sink_skipped_total
 {sink, reason}`, `tracejudge_sink_retries_total{sink, reason}`), counted per feedback:
 - `written` / `already_written`.
@@ -47,7 +66,8 @@ adds a new feedback beside the old one; other assessments (a human's) are never 
   times and `unknown_trace_retry_s` have passed since the first time, its feedback is skipped. The
   table of traces being waited for is bounded (oldest forgotten first).
 - skipped `other_experiment`: `experiment_id` is set and the trace belongs to another experiment.
-- skipped `no_trace_id`: the result names no trace.
+- skipped `no_trace_id`: the result names no trace (a session result: no turn names an MLflow trace).
+- skipped `superseded`: a session result's feedback when a later evaluation of the session replaces it.
 - skipped `invalid_assessment`: an assessment that is not an object with a name, or with neither a
   value, a score, a verdict nor an error.
 - skipped `rejected`: the server refused the feedback (a 4xx other than 401, 403, 404 and 429); logged
@@ -87,8 +107,10 @@ from prometheus_client import Counter as PromCounter
 
 from tracejudge.consumer.config import ConfigError
 from tracejudge.consumer.writeback.base import RetryLater, Sink, SinkBatch, SinkRecord, WriteReport
+from tracejudge.schemas.session import SessionResult, TurnRef
 
-__all__ = ["MlflowSink", "MlflowSinkSettings", "feedback_key", "mlflow_trace_id"]
+__all__ = ["SESSION_ID_KEY", "MlflowSink", "MlflowSinkSettings", "feedback_key", "mlflow_trace_id",
+           "session_feedback_key", "session_trace"]
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +126,12 @@ BACKOFF_BASE_S = 0.5
 RETRY_AFTER_MAX_S = 300.0
 HEURISTIC_SOURCE_ID = "tracejudge.heuristic"
 METRICS_SOURCE_ID = "tracejudge.metrics"
+# What MLflow's own session scoring marks a session's feedback with (`AssessmentMetadataKey.
+# ONLINE_SCORING_SESSION_ID`; it deletes the earlier ones by it), and the trace metadata key of a session.
+SESSION_ID_KEY = "mlflow.assessment.onlineScoringSessionId"
+TRACE_SESSION_KEY = "mlflow.trace.session"
+EVALUATION_KEY = "tracejudge.evaluation"
+_HEX16 = frozenset("0123456789abcdef")
 # Keys whose stated null means "none" rather than "the default".
 _OPTIONAL_NAMES = ("experiment_id", "token_env", "token_file", "username_env", "password_env")
 
@@ -339,12 +367,29 @@ def feedback_key(trace_id: str, name: str, version: str, span_id: str | None = N
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
+def session_feedback_key(trace_id: str, session_id: str, name: str, version: str, evaluation: int) -> str:
+    """The idempotency key of one session feedback: the trace it is on, the session, the judge, its
+    version and the session's evaluation number (a re-evaluated session's feedback is a new one)."""
+    text = "\x1f".join(("session", trace_id, session_id, name, version, str(evaluation)))
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+def session_trace(session: SessionResult) -> TurnRef | None:
+    """The turn whose trace holds the session's feedback: the chronologically first turn with an MLflow
+    trace id (turns are in timestamp order), as MLflow's session scoring logs on the session's first
+    trace (`session_utils.get_first_trace_in_session`). None when no turn names an MLflow trace."""
+    return next((t for t in session.turns if t.mlflow_trace_id), None)
+
+
 @dataclass(slots=True)
 class _Feedback:
     trace_id: str
     key: str
     name: str
     body: bytes
+    # Session feedback: the session and its evaluation number (None / 0 for a trace verdict).
+    session_id: str | None = None
+    evaluation: int = 0
 
 
 @dataclass(slots=True)
@@ -352,6 +397,8 @@ class _Plan:
     by_trace: dict[str, list[_Feedback]] = field(default_factory=dict)
     skipped: Counter[str] = field(default_factory=Counter)
     duplicates: int = 0
+    # (trace, session, name) -> the newest evaluation's feedback in this batch.
+    sessions: dict[tuple[str, str, str], _Feedback] = field(default_factory=dict)
 
 
 def _text(value: Any) -> str:
@@ -411,6 +458,17 @@ def _source_metadata(result: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
+def _session_source(session: SessionResult) -> dict[str, str]:
+    """Where the session's turns were read: the results topic, partition, first and last offsets."""
+    src = session.source
+    out: dict[str, str] = {}
+    for key, value in (("topic", src.topic), ("partition", src.partition), ("firstOffset", src.first_offset),
+                       ("lastOffset", src.last_offset), ("file", src.file)):
+        if value is not None:
+            out[f"tracejudge.source.{key}"] = _text(value)
+    return out
+
+
 class _Mapper:
     """Builds the request bodies of a record's feedback."""
 
@@ -422,6 +480,9 @@ class _Mapper:
         plan = _Plan()
         seen: set[str] = set()
         for record in records:
+            if record.session is not None:
+                self._plan_session(record, record.session, plan, seen)
+                continue
             result = record.result
             trace_id = mlflow_trace_id(result)
             items = list(self._feedback(result, trace_id or "", plan))
@@ -436,7 +497,47 @@ class _Mapper:
                     continue
                 seen.add(fb.key)
                 plan.by_trace.setdefault(trace_id, []).append(fb)
+        for fb in plan.sessions.values():
+            plan.by_trace.setdefault(fb.trace_id, []).append(fb)
         return plan
+
+    def _plan_session(self, record: SinkRecord, session: SessionResult, plan: _Plan, seen: set[str]) -> None:
+        """A session result's feedback, on its first MLflow trace. Of several evaluations of one session
+        in the batch (records in offset order), only the newest is written (`superseded`)."""
+        turn = session_trace(session)
+        trace_id = turn.mlflow_trace_id if turn is not None else None
+        span_id = turn.root_span_id if turn is not None else None
+        if span_id is not None and not (len(span_id) == 16 and set(span_id) <= _HEX16):
+            span_id = None  # MLflow span ids are 16 hex digits; the feedback goes on the trace
+        common = {"tracejudge.version": self.version, SESSION_ID_KEY: session.session_id,
+                  TRACE_SESSION_KEY: session.session_id, EVALUATION_KEY: str(session.evaluation),
+                  "tracejudge.sessionStatus": session.status, "tracejudge.closeReason": session.close_reason,
+                  "tracejudge.turns": str(len(session.turns)), **_session_source(session)}
+        for a in record.assessments():
+            if not isinstance(a, Mapping) or not isinstance(a.get("name"), str) or not a["name"]:
+                plan.skipped["invalid_assessment"] += 1
+                continue
+            if a.get("skipped"):
+                continue
+            if trace_id is None:
+                plan.skipped["no_trace_id"] += 1
+                continue
+            fb = self._assessment(a, trace_id, common, session=session, span_id=span_id)
+            if fb is None:
+                plan.skipped["invalid_assessment"] += 1
+                continue
+            if fb.key in seen:
+                plan.duplicates += 1
+                continue
+            seen.add(fb.key)
+            slot = (trace_id, session.session_id, fb.name)
+            earlier = plan.sessions.get(slot)
+            if earlier is not None and earlier.evaluation > fb.evaluation:
+                plan.skipped["superseded"] += 1
+                continue
+            if earlier is not None:
+                plan.skipped["superseded"] += 1
+            plan.sessions[slot] = fb
 
     def _feedback(self, result: Mapping[str, Any], trace_id: str, plan: _Plan) -> Iterable[_Feedback]:
         common = {"tracejudge.version": self.version, **_source_metadata(result)}
@@ -468,12 +569,17 @@ class _Mapper:
                     continue
                 yield _Feedback(trace_id, key, str(name), payload)
 
-    def _assessment(self, a: Mapping[str, Any], trace_id: str, common: dict[str, str]) -> _Feedback | None:
+    def _assessment(self, a: Mapping[str, Any], trace_id: str, common: dict[str, str], *,
+                    session: SessionResult | None = None, span_id: str | None = None) -> _Feedback | None:
         name: str = a["name"]
         judge = a.get("judge") if isinstance(a.get("judge"), Mapping) else {}
         judge_version = judge.get("version") if isinstance(judge.get("version"), str) else None
-        span_id = a.get("span_id") if isinstance(a.get("span_id"), str) and a.get("span_id") else None
-        key = feedback_key(trace_id, name, judge_version or f"v1:{a.get('source') or ''}", span_id)
+        version = judge_version or f"v1:{a.get('source') or ''}"
+        if session is not None:
+            key = session_feedback_key(trace_id, session.session_id, name, version, session.evaluation)
+        else:
+            span_id = a.get("span_id") if isinstance(a.get("span_id"), str) and a.get("span_id") else None
+            key = feedback_key(trace_id, name, version, span_id)
         body: dict[str, Any] = {"assessment_name": name, "trace_id": trace_id, "source": _source(a)}
         error = a.get("error")
         if error:
@@ -500,9 +606,12 @@ class _Mapper:
         metadata["tracejudge.key"] = key
         body["metadata"] = metadata
         try:
-            return _Feedback(trace_id, key, name, orjson.dumps({"assessment": body}))
+            payload = orjson.dumps({"assessment": body})
         except orjson.JSONEncodeError:  # e.g. a lone surrogate from a custom format handler's text
             return None
+        if session is not None:
+            return _Feedback(trace_id, key, name, payload, session.session_id, session.evaluation)
+        return _Feedback(trace_id, key, name, payload)
 
 
 # --- waiting for traces that are not there yet -----------------------------------------------------
@@ -535,7 +644,10 @@ class _UnknownTraces:
         now = self._clock()
         with self._lock:
             entry = self._table.get(trace_id)
-            if entry is None or now - entry[0] > 2 * self.window_s + self.retry_after_s:
+            # (Without a window, never: an entry would start over at every look and never give up.)
+            stale = self.window_s > 0 and entry is not None \
+                and now - entry[0] > 2 * self.window_s + self.retry_after_s
+            if entry is None or stale:
                 entry = [now, 0.0]
             entry[1] += 1
             self._table[trace_id] = entry
@@ -561,16 +673,40 @@ class _Transient(Exception):
         self.retry_after = retry_after
 
 
+@dataclass(frozen=True, slots=True)
+class _SessionFeedback:
+    """A session feedback this sink wrote earlier, as the trace holds it."""
+
+    assessment_id: str
+    name: str
+    session_id: str
+    evaluation: int
+    key: str
+
+
 @dataclass(slots=True)
 class _TraceInfo:
     keys: set[str]
     experiment_id: str | None
+    sessions: list[_SessionFeedback] = field(default_factory=list)
+
+    def newer(self, fb: _Feedback) -> bool:
+        """True when the trace holds this session's feedback of the same name from a later evaluation."""
+        return any(s.session_id == fb.session_id and s.name == fb.name and s.evaluation > fb.evaluation
+                   for s in self.sessions)
+
+    def replaced_by(self, fb: _Feedback) -> list[str]:
+        """The ids of this session's feedback of the same name from earlier evaluations."""
+        return [s.assessment_id for s in self.sessions
+                if s.session_id == fb.session_id and s.name == fb.name and s.evaluation < fb.evaluation
+                and s.key != fb.key]
 
 
 class MlflowSink(Sink):
     """Writes judge verdicts as MLflow feedback. See the module docstring for the mapping and outcomes."""
 
     kind = KIND
+    accepts_sessions = True
 
     def __init__(self, settings: MlflowSinkSettings, registry: CollectorRegistry | None = None, *,
                  env: Mapping[str, str] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
@@ -599,8 +735,14 @@ class MlflowSink(Sink):
         self._retries = PromCounter("tracejudge_sink_retries_total",
                                     "Batches a sink asked to have offered again, by reason.",
                                     ["sink", "reason"], registry=registry)
+        self._deletes = PromCounter("tracejudge_sink_deletes_total",
+                                    "Earlier session feedback a sink deleted because a later evaluation "
+                                    "of the session replaced it (rejected: the server refused).",
+                                    ["sink", "outcome"], registry=registry)
         for outcome in ("written", "already_written"):
             self._writes.labels(KIND, outcome)
+        for outcome in ("deleted", "rejected"):
+            self._deletes.labels(KIND, outcome)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -646,6 +788,8 @@ class MlflowSink(Sink):
         infos = self._lookup(list(plan.by_trace))  # raises RetryLater when the server cannot answer
         waiting: list[str] = []
         todo: list[_Feedback] = []
+        # Session feedback on its trace (written now or before), whose earlier evaluations go after.
+        replacing: list[tuple[_Feedback, _TraceInfo]] = []
         for trace_id, items in plan.by_trace.items():
             info = infos.get(trace_id)
             if info is None:
@@ -661,6 +805,10 @@ class MlflowSink(Sink):
             for fb in items:
                 if fb.key in info.keys:
                     report.already_written += 1
+                    if fb.session_id is not None:
+                        replacing.append((fb, info))
+                elif fb.session_id is not None and info.newer(fb):
+                    plan.skipped["superseded"] += 1  # a redelivered earlier evaluation of the session
                 else:
                     todo.append(fb)
 
@@ -671,6 +819,8 @@ class MlflowSink(Sink):
             elif outcome == "written":
                 report.written += 1
                 self._writes.labels(KIND, "written").inc()
+                if fb.session_id is not None:
+                    replacing.append((fb, infos[fb.trace_id]))
             elif outcome == "unknown":  # the trace went away between the lookup and the write
                 if fb.trace_id not in waiting:
                     waiting.append(fb.trace_id)
@@ -678,6 +828,7 @@ class MlflowSink(Sink):
                 plan.skipped[outcome] += 1
         if transient:
             self._retry(transient)
+        self._replace(replacing)
         if waiting:
             self._retries.labels(KIND, "unknown_trace").inc()
             raise RetryLater("unknown_trace", after_s=self._unknown.retry_after_s)
@@ -686,6 +837,28 @@ class MlflowSink(Sink):
             report.skip(reason, n)
             self._skipped.labels(KIND, reason).inc(n)
         return report
+
+    def _replace(self, replacing: list[tuple[_Feedback, _TraceInfo]]) -> None:
+        """Delete the session feedback of earlier evaluations that the batch's feedback replaces, after
+        the new feedback is on the trace (as MLflow's session scoring does). Only this sink's own
+        session feedback is deleted (`tracejudge.key` and the session id in its metadata), never
+        anyone else's. A failed delete is retried with the batch: the new feedback is found by its key
+        and the delete made again."""
+        doomed: dict[tuple[str, str], None] = {}
+        for fb, info in replacing:
+            for assessment_id in info.replaced_by(fb):
+                doomed[(fb.trace_id, assessment_id)] = None
+        if not doomed:
+            return
+        targets = list(doomed)
+        outcomes = self._map(self._delete, targets)
+        self._raise_first(outcomes)
+        for outcome in outcomes:
+            if outcome == "deleted":
+                self._deletes.labels(KIND, "deleted").inc()
+            elif outcome == "rejected":
+                self._deletes.labels(KIND, "rejected").inc()
+            # else "gone": deleted already (by an earlier offer of this batch)
 
     def _retry(self, failures: list[_Transient]) -> None:
         reason = Counter(f.reason for f in failures).most_common(1)[0][0]
@@ -784,6 +957,21 @@ class MlflowSink(Sink):
                        fb.name, r.status_code, code or "no error code", _message(r))
         return "rejected"
 
+    def _delete(self, target: tuple[str, str]) -> str:
+        trace_id, assessment_id = target
+        r = self._request("DELETE", f"{TRACES_PATH}/{quote(trace_id, safe='')}/assessments/"
+                                    f"{quote(assessment_id, safe='')}")
+        if r.status_code == 200:
+            return "deleted"
+        if r.status_code == 404:
+            return "gone"
+        self._raise_transient(r)
+        code = _error_code(r)
+        self._log_once(("delete", r.status_code, code), logging.WARNING,
+                       "MLflow refused to delete an earlier session feedback (HTTP %d, %s): %s; it stays "
+                       "beside the newer one", r.status_code, code or "no error code", _message(r))
+        return "rejected"
+
     def _request(self, method: str, path: str, body: bytes | None = None) -> httpx.Response:
         try:
             return self._http.request(method, path, content=body)
@@ -845,12 +1033,22 @@ def _retry_after(r: httpx.Response) -> float | None:
 
 def _trace_info(info: Mapping[str, Any]) -> _TraceInfo:
     keys: set[str] = set()
+    sessions: list[_SessionFeedback] = []
     for a in info.get("assessments") or ():
         meta = a.get("metadata") if isinstance(a, Mapping) else None
         if isinstance(meta, Mapping) and isinstance(meta.get("tracejudge.key"), str):
             keys.add(meta["tracejudge.key"])
+            # Ours, of a session: a later evaluation replaces it (others' assessments are never touched).
+            session_id, assessment_id = meta.get(SESSION_ID_KEY), a.get("assessment_id")
+            source = a.get("source") if isinstance(a.get("source"), Mapping) else {}
+            if isinstance(session_id, str) and isinstance(assessment_id, str) \
+                    and isinstance(a.get("assessment_name"), str) and source.get("source_type") != "HUMAN":
+                evaluation = str(meta.get(EVALUATION_KEY) or "1")
+                sessions.append(_SessionFeedback(assessment_id, a["assessment_name"], session_id,
+                                                 int(evaluation) if evaluation.isdigit() else 1,
+                                                 meta["tracejudge.key"]))
     location = info.get("trace_location")
     experiment = None
     if isinstance(location, Mapping) and isinstance(location.get("mlflow_experiment"), Mapping):
         experiment = location["mlflow_experiment"].get("experiment_id")
-    return _TraceInfo(keys, str(experiment) if experiment is not None else None)
+    return _TraceInfo(keys, str(experiment) if experiment is not None else None, sessions)

@@ -29,6 +29,16 @@ result states it; without either it carries the trace id alone. A result without
 (an inference-log row, an MLflow 2 trace) cannot be placed on a trace: its verdicts are skipped and
 counted (`tracejudge_sink_skipped_total{reason="no_trace_id"}`).
 
+Session results (`"kind": "session"`, `SinkRecord.session`): each session judge's verdict is one event
+parented to the session's last turn: that turn's trace id and, as span id, its root span id (without
+one, the trace id alone); the last turn with a 32-hex trace id when the very last has none. Besides
+the attributes above (`tracejudge.evaluation.target` = `session`), it carries `session.id` and
+`gen_ai.conversation.id` = the session id, `tracejudge.session.evaluation` (the session's evaluation
+number: a re-evaluated session sends new events, the earlier ones stay in the backend),
+`tracejudge.session.status`, `.close_reason`, `.turns`, and `tracejudge.source.*` (where its turns
+were read: topic, partition, `first_offset`, `last_offset`). Its `tracejudge.evaluation.id` hashes the
+session, its evaluation number, the judge and the trace.
+
 `emit_spans: true` also sends one short span per verdict (name `gen_ai.evaluation <judge>`, same
 attributes, status ERROR on a judge error) in the evaluated trace: a child of the evaluated span
 (parent = that span id, a remote parent), for trace-only backends such as Jaeger. Its span id is
@@ -102,6 +112,7 @@ from prometheus_client import CollectorRegistry, Counter
 from tracejudge import __version__
 from tracejudge.consumer.config import ConfigError
 from tracejudge.consumer.writeback.base import RetryLater, Sink, SinkBatch, SinkRecord, WriteReport
+from tracejudge.schemas.session import SessionResult
 
 __all__ = ["EVENT_NAME", "OtlpSink", "OtlpSinkSettings"]
 
@@ -332,6 +343,7 @@ class OtlpSink(Sink):
     OTLP/HTTP. Thread-safe: concurrent `write` calls are serialised."""
 
     kind: ClassVar[str] = "otlp"
+    accepts_sessions: ClassVar[bool] = True
 
     def __init__(self, settings: OtlpSinkSettings, registry: CollectorRegistry | None = None, *,
                  clock: Callable[[], int] = time.time_ns) -> None:
@@ -417,6 +429,9 @@ class OtlpSink(Sink):
 
     def _verdicts(self, batch: SinkBatch, report: WriteReport) -> Iterator[_Verdict]:
         for record in batch.records:
+            if record.session is not None:
+                yield from self._session_verdicts(record, record.session, report)
+                continue
             result = record.result
             trace_hex = _hex_id(result.get("trace_id"), _HEX32)
             root_hex = _hex_id(result.get("root_span_id"), _HEX16)
@@ -438,6 +453,33 @@ class OtlpSink(Sink):
                     assessment=dict(a), trace_id=int(trace_hex, 16),
                     span_id=int(parent_hex, 16) if parent_hex else None, evaluation_id=evaluation_id,
                     attributes=_attributes(record, a, target, evaluation_id))
+
+    def _session_verdicts(self, record: SinkRecord, session: SessionResult,
+                          report: WriteReport) -> Iterator[_Verdict]:
+        """A session result's verdicts, parented to the root span of its last turn (the last turn with
+        a 32-hex trace id) in that turn's trace."""
+        trace_hex = root_hex = None
+        for turn in reversed(session.turns):
+            trace_hex = _hex_id(turn.trace_id, _HEX32) or _hex_id(_strip_tr(turn.mlflow_trace_id), _HEX32)
+            if trace_hex is not None:
+                root_hex = _hex_id(turn.root_span_id, _HEX16)
+                break
+        for index, a in enumerate(record.assessments()):
+            if not isinstance(a, Mapping) or a.get("skipped") is not None:
+                continue
+            if not isinstance(a.get("name"), str) or not a["name"]:
+                report.skip("invalid_assessment")
+                continue
+            if trace_hex is None:
+                report.skip("no_trace_id")
+                continue
+            evaluation_id = _session_evaluation_id(session, a, trace_hex)
+            attributes = _attributes(record, a, "session", evaluation_id)
+            attributes.update(_session_attributes(session))
+            yield _Verdict(key=(record.topic, record.partition, record.offset, index), record=record,
+                           assessment=dict(a), trace_id=int(trace_hex, 16),
+                           span_id=int(root_hex, 16) if root_hex else None, evaluation_id=evaluation_id,
+                           attributes=attributes)
 
     def _log_record(self, v: _Verdict, now: int) -> ReadableLogRecord:
         error = v.assessment.get("error") is not None
@@ -529,6 +571,38 @@ def _attributes(record: SinkRecord, a: Mapping[str, Any], target: str, evaluatio
     attrs["tracejudge.result.partition"] = record.partition
     attrs["tracejudge.result.offset"] = record.offset
     return attrs
+
+
+def _session_attributes(session: SessionResult) -> dict[str, Any]:
+    """What a session verdict says about its session (the result's own `source` names the turns' topic;
+    `_attributes` read the trace-result keys, absent here)."""
+    attrs: dict[str, Any] = {"session.id": session.session_id, "gen_ai.conversation.id": session.session_id,
+                             "tracejudge.session.evaluation": session.evaluation,
+                             "tracejudge.session.status": session.status,
+                             "tracejudge.session.close_reason": session.close_reason,
+                             "tracejudge.session.turns": len(session.turns)}
+    _put_str(attrs, "tracejudge.app", session.app)
+    src = session.source
+    _put_str(attrs, "tracejudge.source.format", src.format)
+    _put_str(attrs, "tracejudge.source.topic", src.topic)
+    for name, value in (("partition", src.partition), ("first_offset", src.first_offset),
+                        ("last_offset", src.last_offset)):
+        if type(value) is int:
+            attrs[f"tracejudge.source.{name}"] = value
+    return attrs
+
+
+def _session_evaluation_id(session: SessionResult, a: Mapping[str, Any], trace_hex: str) -> str:
+    """Names one session verdict: the session, its evaluation number, the judge's name and version, and
+    the trace it hangs on (a redelivered session result repeats it; a re-evaluation is a new one)."""
+    judge = a.get("judge") if isinstance(a.get("judge"), Mapping) else {}
+    parts = ["session", trace_hex, session.session_id, str(session.evaluation), str(a["name"]),
+             str(judge.get("version") or a.get("source") or "")]
+    return hashlib.sha256("\x1f".join(parts).encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def _strip_tr(value: str | None) -> str | None:
+    return value[3:] if isinstance(value, str) and value.startswith("tr-") else None
 
 
 def _evaluation_id(record: SinkRecord, index: int, a: Mapping[str, Any], trace_hex: str,
