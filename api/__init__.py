@@ -11,14 +11,22 @@ For tests and scripts:
 `judges={}` runs the model-free heuristic judges; pass the `judges:` section of your configuration
 (endpoints, built-in and custom judges) to use an LLM, or `config="tracejudge.yaml"` to read the
 file `tracejudge run` reads. `Evaluator` keeps the judge client open across many records.
+
+A conversation (a list of turns) is evaluated as one session by `evaluate_session`: session metrics and
+the session judges (`user_frustration`, heuristic without an endpoint), as `tracejudge sessions` does live:
+
+    session = evaluate_session([{"request": "Reset my password?", "response": "Use the sign-in link."},
+                                {"request": "Forget it.", "response": "Sorry."}], judges={})
+    session.metrics["turns"], session.assessment("user_frustration").value
 """
 
-from tracejudge.consumer.evaluator import Evaluator, evaluate
+from tracejudge.consumer.evaluator import Evaluator, evaluate, evaluate_session
 from tracejudge.metrics.judge_config import JudgeConfigError
 from tracejudge.metrics.judging import JudgeRunner
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.record import Document, EvalRecord, TokenUsage, ToolCall
 from tracejudge.schemas.result import Assessment, EvaluationResult
+from tracejudge.schemas.session import SessionResult
 
 __version__ = "0.1.0"
 
@@ -31,8 +39,10 @@ __all__ = [
     "JudgeConfigError",
     "JudgeRunner",
     "RecordError",
+    "SessionResult",
     "TokenUsage",
     "ToolCall",
     "__version__",
     "evaluate",
+    "evaluate_session",
 ]

@@ -1,4 +1,5 @@
-"""`tracejudge eval`: the pipeline over JSON Lines files, one result line per record.
+"""`tracejudge eval`: the pipeline over JSON Lines files, one result line per record, then one session
+result line per session.
 
 A malformed line never stops the run: it is reported with its file and line number, counted, and
 written to `--rejects` when given, so a million-line file with three bad lines still yields
@@ -9,6 +10,11 @@ assembly limits), so the scores it writes are the scores the stream exports. OTL
 (`{"resourceSpans": ...}`) go through the same trace assembly as an OTLP topic: the spans of one trace
 may be spread over many lines, and each trace is evaluated once it is whole (at the latest at the end
 of the input).
+
+Records that belong to a conversation (`session_id`) are also gathered into sessions
+(`consumer/session_eval.py`): after the last trace result, one session result line per session
+(`"kind": "session"`, closed by the end of the input) with the session metrics and, when `judges:`
+is configured, the session judges' verdicts.
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ import orjson
 from tracejudge.consumer.assembly import OtlpLineAssembler
 from tracejudge.consumer.config import ConfigError, Settings, load_settings
 from tracejudge.consumer.pipeline import Pipeline, build_judges, build_pipeline, with_judgements
+from tracejudge.consumer.session_eval import SessionEvaluation, SessionGrouper, build_session_judges
 from tracejudge.schemas import otlp
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.result import Assessment, EvaluationResult, SourceRef
+from tracejudge.schemas.session import SessionResult
 
 PROGRESS_EVERY_SECONDS = 5.0
 
@@ -64,6 +72,7 @@ class Summary:
     metric_counts: dict[str, int] = field(default_factory=dict)
     metric_errors: dict[str, int] = field(default_factory=dict)
     judges: dict[str, JudgeTally] = field(default_factory=dict)
+    sessions: SessionTally = field(default_factory=lambda: SessionTally())
 
     def add(self, result: EvaluationResult) -> None:
         rec = result.record
@@ -108,8 +117,62 @@ class Summary:
             rows.append((f"judge {name}", f"mean score {mean}, passed {t.passed}/{t.verdicts} "
                                           f"({_pct(t.passed, t.verdicts)}), {t.errors} errors, "
                                           f"{t.skipped} skipped"))
+        rows += self.sessions.rows()
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+@dataclass
+class SessionTally:
+    """The sessions block of the summary: how many, how long, how many went wrong, and what the
+    session judges said (for `user_frustration`, the share judged `unresolved`)."""
+
+    sessions: int = 0
+    turns: int = 0
+    without_session: int = 0
+    with_failure: int = 0
+    last_turn_failed: int = 0
+    judges: dict[str, JudgeTally] = field(default_factory=dict)
+    values: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def add(self, session: SessionResult) -> None:
+        self.sessions += 1
+        self.turns += len(session.turns)
+        self.with_failure += bool(session.metrics.get("failed_turns"))
+        self.last_turn_failed += session.metrics.get("last_turn_failed") == 1.0
+        for a in session.assessments:
+            self.judges.setdefault(a.name, JudgeTally()).add(a)
+            if a.error is None and a.skipped is None and isinstance(a.value, str):
+                counts = self.values.setdefault(a.name, {})
+                counts[a.value] = counts.get(a.value, 0) + 1
+
+    def rows(self) -> list[tuple[str, str]]:
+        if not self.sessions:
+            return []
+        rows = [
+            ("sessions", f"{self.sessions} ({self.turns} turns; {self.without_session} "
+                         f"record{'' if self.without_session == 1 else 's'} without a session id)"),
+            ("  turns per session", f"{self.turns / self.sessions:.1f} mean"),
+            ("  with a failed turn", f"{self.with_failure} ({_pct(self.with_failure, self.sessions)}), "
+                                     f"last turn failed {self.last_turn_failed}"),
+        ]
+        for name, t in self.judges.items():
+            judged = sum(self.values.get(name, {}).values())
+            if name == FRUSTRATION:
+                unresolved = self.values.get(name, {}).get("unresolved", 0)
+                rows.append((f"  session judge {name}",
+                             f"unresolved {_pct(unresolved, judged)} (n={judged}; "
+                             + ", ".join(f"{v} {c}" for v, c in sorted(self.values.get(name, {}).items()))
+                             + f"), {t.errors} errors, {t.skipped} skipped"))
+                continue
+            mean = "-" if t.mean is None else f"{t.mean:.3f}"
+            rows.append((f"  session judge {name}", f"mean score {mean}, passed {t.passed}/{t.verdicts} "
+                                                    f"({_pct(t.passed, t.verdicts)}), {t.errors} errors, "
+                                                    f"{t.skipped} skipped"))
+        return rows
+
+
+FRUSTRATION = "user_frustration"
 
 
 @dataclass
@@ -201,7 +264,8 @@ class FileEvaluation:
                     if self.fmt is None and otlp.looks_like_otlp_json(line):
                         if assembler is None:
                             assembler = OtlpLineAssembler(self.settings.otlp.assembly.to_settings(),
-                                                          app_tag=self.pipeline.app_tag)
+                                                          app_tag=self.pipeline.app_tag,
+                                                          session_tag=self.pipeline.session_tag)
                         for t in assembler.feed(line, lineno):
                             yield self._evaluate(t.record(), name, t.line)
                         continue
@@ -251,6 +315,7 @@ def main(args: argparse.Namespace) -> int:
         settings = load_settings(args.config, offline=True)
         pipeline = build_pipeline(settings)
         judges = build_judges(settings)
+        session_judges = build_session_judges(settings)
     except ConfigError as exc:
         print(f"tracejudge eval: invalid configuration\n{exc.report()}", file=sys.stderr)
         return 2
@@ -258,8 +323,12 @@ def main(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         if judges is not None:
             stack.callback(judges.close)
+        if session_judges is not None:
+            stack.callback(session_judges.close)
         try:
-            gates = parse_fail_under(args.fail_under, judges.judge_names() if judges else [])
+            names = [*(judges.judge_names() if judges else []),
+                     *(session_judges.judge_names() if session_judges else [])]
+            gates = parse_fail_under(args.fail_under, names)
             inputs = _open_inputs(stack, args.inputs)
             out = sys.stdout.buffer if args.output == "-" else stack.enter_context(open(args.output, "wb"))
             rejects = stack.enter_context(open(args.rejects, "wb")) if args.rejects else None
@@ -273,14 +342,24 @@ def main(args: argparse.Namespace) -> int:
         if judges is not None:
             results = with_judgements(results, judges)
         last_progress = started = time.monotonic()
+        grouper = SessionGrouper()
         for result in results:
             out.write(result.to_json() + b"\n")
             summary.add(result)
+            grouper.add(result)
             now = time.monotonic()
             if err is not None and now - last_progress >= PROGRESS_EVERY_SECONDS:
                 last_progress = now
                 rate = summary.records / (now - started)
                 print(f"... {summary.records} records, {summary.rejected} rejected ({rate:.0f}/s)", file=err)
+        # The end of the input closes every session: their lines follow the trace results.
+        summary.sessions.without_session = grouper.without_session
+        if err is not None and grouper.open_sessions and session_judges is not None:
+            print(f"... {grouper.open_sessions} sessions, {grouper.turns} turns: evaluating the sessions",
+                  file=err)
+        for session in SessionEvaluation(session_judges).results(grouper.close_all()):
+            out.write(session.to_json() + b"\n")
+            summary.sessions.add(session)
     if err is not None:
         print("tracejudge eval summary", file=err)
         print(summary.render(), file=err)
@@ -290,7 +369,9 @@ def main(args: argparse.Namespace) -> int:
 def _gate(gates: dict[str, float], summary: Summary) -> int:
     failed = False
     for name, threshold in gates.items():
-        mean = summary.judges.get(name, JudgeTally()).mean
+        # A session judge's gate reads its verdicts on sessions (the names do not overlap).
+        tally = summary.judges.get(name) or summary.sessions.judges.get(name) or JudgeTally()
+        mean = tally.mean
         if mean is None or mean < threshold:
             failed = True
             got = "no scores" if mean is None else f"mean score {mean:.3f}"

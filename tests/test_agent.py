@@ -8,7 +8,7 @@ import os
 import pytest
 from mlflow.entities import SpanType, Trace, TraceState
 
-from tracejudge.consumer.demo.agent import APP_TAG, APPS, AgentSettings, SyntheticRagAgent
+from tracejudge.consumer.demo.agent import APP_TAG, APPS, GIVE_UPS, AgentSettings, SyntheticRagAgent
 
 
 def produce(count: int, **settings: object) -> list:
@@ -162,3 +162,79 @@ def test_tracejudge_normalises_the_agents_traces_into_what_the_agent_did():
             assert record.tokens.total == record.tokens.input + record.tokens.output > 0
     # Without the tag setting the app is the MLflow experiment, one per app.
     assert {normalise(m.payload).app for m in made} == {"experiment:1", "experiment:2"}
+
+
+def test_requests_are_turns_of_interleaved_conversations_some_frustrated():
+    """Conversations carry MLflow's session and user metadata; a frustrated user asks, repeats the
+    question and gives up; no conversation waits more than two rounds for its next turn."""
+    with SyntheticRagAgent(AgentSettings(seed=12, frustrated_share=0.3, failure_share=0.0,
+                                         concurrent_conversations=5)) as agent:
+        made = list(agent.traces(300))
+        assert agent.open_conversations == 5
+        made += list(agent.finish_conversations())
+        assert agent.open_conversations == 0
+    by_session: dict[str, list] = {}
+    first_seen: dict[str, int] = {}
+    last_seen: dict[str, int] = {}
+    for i, item in enumerate(made):
+        trace = Trace.from_json(item.payload.decode())
+        assert trace.info.trace_metadata["mlflow.trace.session"] == item.session_id
+        assert trace.info.trace_metadata["mlflow.trace.user"] == item.user_id
+        # What MLflow's OTLP ingest reads for the session (trace metadata is not sent over OTLP).
+        assert root_of(trace).attributes["session.id"] == item.session_id
+        if item.session_id in last_seen:
+            assert i - last_seen[item.session_id] <= 2 * 5
+        last_seen[item.session_id] = i
+        first_seen.setdefault(item.session_id, i)
+        text = root_of(trace).inputs["messages"][-1]["content"]
+        by_session.setdefault(item.session_id, []).append((item, text))
+    # Interleaved: most conversations' turns are not next to each other.
+    spread = [last_seen[sid] - first_seen[sid] >= len(turns) for sid, turns in by_session.items()
+              if len(turns) > 1]
+    assert sum(spread) > len(spread) / 2
+    frustrated = [turns for turns in by_session.values() if turns[0][0].frustrated]
+    assert 0.2 <= len(frustrated) / len(by_session) <= 0.4
+    for turns in by_session.values():
+        items = [t for t, _ in turns]
+        assert [t.turn for t in items] == list(range(1, len(items) + 1))
+        assert [t.conversation_ended for t in items] == [False] * (len(items) - 1) + [True]
+        assert len({t.app for t in items}) == 1 and len({t.user_id for t in items}) == 1
+        texts = [text for _, text in turns]
+        if items[0].frustrated:
+            assert len(items) in (3, 4)
+            assert all(texts[0] in repeat for repeat in texts[1:-1])
+            assert texts[-1] in GIVE_UPS
+        else:
+            assert 1 <= len(items) <= 4
+            assert len(set(texts)) == len(texts) and all(t.endswith("?") for t in texts)
+
+
+def test_the_heuristic_frustration_judge_finds_exactly_the_conversations_the_agent_made_unresolved():
+    """The demo's comparison without a broker: each conversation of the agent as one session (the
+    offline grouping of `tracejudge eval`), judged by the heuristic user_frustration judge."""
+    from prometheus_client import CollectorRegistry
+
+    from tracejudge.consumer.pipeline import Pipeline
+    from tracejudge.consumer.session_eval import SessionEvaluation, SessionGrouper
+    from tracejudge.metrics.session_judges import SessionJudgeRunner
+    from tracejudge.schemas.result import SourceRef
+
+    pipeline = Pipeline(app_tag=APP_TAG)
+    grouper = SessionGrouper()
+    expected: dict[str, bool] = {}
+    with SyntheticRagAgent(AgentSettings(seed=21, frustrated_share=0.25, failure_share=0.1)) as agent:
+        for item in [*agent.traces(400), *agent.finish_conversations()]:
+            record = pipeline.normalise(item.payload)
+            grouper.add(pipeline.evaluate(record, SourceRef("mlflow_v3")))
+            if item.conversation_ended:
+                expected[item.session_id] = item.frustrated or item.failed
+    judges = SessionJudgeRunner({}, CollectorRegistry())
+    try:
+        sessions = list(SessionEvaluation(judges).results(grouper.close_all()))
+    finally:
+        judges.close()
+    assert {s.session_id for s in sessions} == set(expected)
+    verdicts = {s.session_id: s.assessment("user_frustration").value for s in sessions}
+    unresolved = {sid for sid, v in verdicts.items() if v == "unresolved"}
+    assert unresolved == {sid for sid, e in expected.items() if e}
+    assert sum(expected.values()) >= 10

@@ -14,7 +14,10 @@ from collections.abc import Callable
 from typing import IO, TypeVar
 
 import httpx
+import mlflow
 import pytest
+from mlflow.entities import Trace
+from support.mlflow_server import free_port, shared_mlflow_server
 
 from tracejudge.consumer.demo.agent import APP_TAG, AgentSettings, SyntheticRagAgent
 from tracejudge.consumer.demo.broker import LocalBroker
@@ -153,14 +156,33 @@ def check_final_summary(out: str) -> None:
         assert cell == f"{100 * (ok - made_up) / ok:.1f}% (n={ok})"
     assert "records consumed: ok " + str(produced[0]) in out
     assert "dead letters: 0" in out
+    # Conversations: the session stage closed one session per conversation the agent held (it
+    # finishes the open ones when it stops), and the heuristic user_frustration judge called exactly
+    # the ones the agent made frustrated, or that ended on a failed turn, unresolved.
+    conversations = [int(c) for c in summary_row(out, "conversations by the agent")]
+    frustrated = [int(c.split()[0]) for c in summary_row(out, "made frustrated")]
+    unresolved = [int(c.split()[0]) for c in summary_row(out, "either: should read unresolved")]
+    assert conversations[0] > 0 and conversations[0] == sum(conversations[1:]) and frustrated[0] > 0
+    assert [int(c) for c in summary_row(out, "sessions evaluated")] == conversations
+    for cell, made, total in zip(summary_row(out, "user_frustration unresolved"), unresolved, conversations,
+                                 strict=True):
+        assert cell == f"{100 * made / total:.1f}% (n={total})"
+    assert "reopened" not in out
 
 
-def test_ctrl_c_stops_cleanly_with_a_final_summary_and_an_external_kafka():
+def test_ctrl_c_stops_cleanly_with_a_final_summary_an_external_kafka_and_traces_in_mlflow():
+    """As docker compose runs it: someone else's Kafka, and the agent's traces exported to an MLflow
+    tracking server (`--mlflow-tracking-uri`), where the MLflow sink can write verdicts onto them."""
+    server = shared_mlflow_server()
+    experiment = server.create_experiment(f"demo-{time.time_ns()}")
     with LocalBroker() as broker:
         demo = Demo("--duration", "600", "--rate", "25", "--metrics-port", "0",
-                    "--bootstrap-servers", broker.bootstrap_servers, "--topic", "external-demo")
+                    "--bootstrap-servers", broker.bootstrap_servers, "--topic", "external-demo",
+                    "--mlflow-tracking-uri", server.url, "--mlflow-experiment-id", experiment)
         try:
             demo.line_matching(rf"Using Kafka at {re.escape(broker.bootstrap_servers)}", timeout=60)
+            demo.line_matching(rf"Exporting the agent's traces to MLflow at {re.escape(server.url)}",
+                               timeout=10)
             # Not a terminal: the live summary is a plain line every few seconds.
             demo.line_matching(r"^\[\s*\d+s\] produced [1-9]\d* .*\| evaluated [1-9]", timeout=90)
             demo.proc.send_signal(signal.SIGINT)
@@ -169,8 +191,57 @@ def test_ctrl_c_stops_cleanly_with_a_final_summary_and_an_external_kafka():
             demo.kill()
     assert code == 0, out + err
     assert "final summary" in out
+    produced = int(summary_row(out, "produced by the agent")[0])
     assert int(summary_row(out, "evaluated traces")[0]) > 0
     assert "Started a local" not in out
+    # No results topic on someone else's Kafka, so no session stage.
+    assert "sessions: not evaluated" in out and "sessions evaluated" not in out
+    # Every trace the agent made is in MLflow (the agent flushed its exporter before it exited), with
+    # its conversation as MLflow's session.
+    traces = mlflow_traces(server.url, experiment)
+    assert len(traces) == produced
+    assert all(t.info.trace_metadata.get("mlflow.trace.session", "").startswith("conv-") for t in traces)
+    assert {t.info.state.value for t in traces} <= {"OK", "ERROR"}
+
+
+def mlflow_traces(url: str, experiment: str) -> list:
+    client = mlflow.MlflowClient(tracking_uri=url)
+    found: list = []
+    token = None
+    for _ in range(100):  # pages of 500: far more than a test produces
+        page = client.search_traces(locations=[experiment], max_results=500, page_token=token)
+        found += page
+        token = page.token
+        if not token:
+            return found
+    raise AssertionError("more than 100 pages of traces")
+
+
+def test_agent_exports_its_traces_to_an_mlflow_server_under_the_same_ids():
+    """`--mlflow-tracking-uri` (AgentSettings.mlflow_tracking_uri): the spans also go to MLflow's OTLP
+    endpoint, so `mlflow.get_trace("tr-<hex>")` finds the trace the agent produced to Kafka."""
+    server = shared_mlflow_server()
+    experiment = server.create_experiment(f"agent-{time.time_ns()}")
+    settings = AgentSettings(mlflow_tracking_uri=server.url, mlflow_experiment_id=experiment,
+                             failure_share=0.3, frustrated_share=0.5)
+    with SyntheticRagAgent(settings) as agent:
+        made = list(agent.traces(6))
+    client = mlflow.MlflowClient(tracking_uri=server.url)
+    for item in made:
+        assert item.trace_id.startswith("tr-")
+        stored = client.get_trace(item.trace_id)
+        assert stored.info.experiment_id == experiment
+        assert stored.info.trace_metadata["mlflow.trace.session"] == item.session_id
+        assert stored.info.trace_metadata["mlflow.trace.user"] == item.user_id
+        assert (stored.info.state.value == "ERROR") is item.failed
+        captured = Trace.from_json(item.payload.decode()).data.spans
+        assert sorted(s.span_id for s in stored.data.spans) == sorted(s.span_id for s in captured)
+
+
+def test_an_unreachable_mlflow_costs_the_export_not_the_agent():
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    with SyntheticRagAgent(AgentSettings(seed=2, mlflow_tracking_uri=nowhere)) as agent:
+        assert len(list(agent.traces(3))) == 3
 
 
 def test_missing_demo_extra_is_a_clear_error():

@@ -127,8 +127,12 @@ def test_otlp_json_lines_are_assembled_across_lines_and_interleaved_with_other_f
     src = write_lines(tmp_path / "mixed.jsonl", otlp_lines[0], mlflow_line, *otlp_lines[1:])
     proc = run("eval", str(src), "--quiet")
     assert proc.returncode == 0, proc.stderr.decode()
-    results = {r["trace_id"]: r for r in map(orjson.loads, proc.stdout.splitlines())}
+    lines = [orjson.loads(line) for line in proc.stdout.splitlines()]
+    results = {r["trace_id"]: r for r in lines if r.get("kind") != "session"}
     assert len(results) == 3
+    # Both OTLP traces carry `session.id` "sess-1": one session, its line after the trace results.
+    assert [(r.get("kind"), r.get("session_id")) for r in lines[3:]] == [("session", "sess-1")]
+    assert len(lines[3]["turns"]) == 2
     for rec in (a, b):
         got = results[rec.trace_id]
         assert got["source_format"] == "otlp_json" and got["app"] == "geo-agent"

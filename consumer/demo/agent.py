@@ -16,6 +16,20 @@ uses. The payload is `Trace.to_json()`, MLflow 3's shape.
 Latencies are simulated (span timestamps are set, nothing sleeps), so one process can produce hundreds
 of traces per second with realistic-looking p50/p95. With a seed the content, the choices and the
 trace/span ids are reproducible; only the wall-clock timestamps differ between runs.
+
+Conversations: every request is a turn of a conversation (MLflow trace metadata `mlflow.trace.session`
+and `mlflow.trace.user`, and `session.id`/`user.id` on the root span, which MLflow's OTLP ingest reads).
+Up to `concurrent_conversations` are open at once and their turns interleave; each has 1 to `max_turns`
+turns about one app's topics. A `frustrated_share` of conversations is a user who is not helped: they
+ask a question, ask it again (once or twice), and give up ("Forget it, ..."); `AgentTrace.frustrated`
+and `conversation_ended` say what the agent made, so a session judge's verdicts can be compared with it.
+No conversation goes `2 * concurrent_conversations` turns without a turn of its own, which bounds the
+gap between its turns (the demo's session stage closes a session after a few seconds of silence).
+
+With `mlflow_tracking_uri` the spans are also exported (OTLP/HTTP, `<uri>/v1/traces`, experiment
+`mlflow_experiment_id`) to that MLflow tracking server, so its traces exist there under the same
+`tr-<hex>` ids and a sink can write verdicts onto them; an unreachable server costs the export (logged
+by the OpenTelemetry SDK), never the demo.
 """
 
 from __future__ import annotations
@@ -27,7 +41,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +55,13 @@ APPS: tuple[str, ...] = ("support-bot", "docs-qa")
 EXPERIMENT_IDS: dict[str, str] = {"support-bot": "1", "docs-qa": "2"}
 MODEL = "gpt-4o-mini"
 TOP_K = 3
+# How a user who was not helped asks again, and how they give up (the last turn of a frustrated
+# conversation). Repeating the question and giving up are what a frustration judge looks for.
+REPEATS: tuple[str, ...] = ("{question}", "I asked: {question}", "Again: {question}",
+                            "That does not answer it. {question}")
+GIVE_UPS: tuple[str, ...] = ("Forget it, this is not helping. I will contact support.",
+                             "Never mind, I give up.",
+                             "This is useless, forget it.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +189,7 @@ TOPICS: tuple[Topic, ...] = (
            "Signatures use MD5 and are sent in the query string."),
           ("list_webhook_deliveries", "webhook_id", ("wh-5", "wh-81", "wh-204"))),
     Topic("docs-qa", "status",
-          ("Is the Tideline API down?", "Is there an outage in the EU region?",
+          ("Is Tideline down right now?", "Is there an outage in the EU region?",
            "Where can I check API availability?"),
           _docs("api/status",
                 "Current API availability, outages and downtime are published on status.tideline.example.",
@@ -241,9 +262,20 @@ class AgentSettings:
     failure_share: float = 0.05
     apps: tuple[str, ...] = APPS
     seed: int | None = None
+    # Conversations: the share whose user repeats the question and gives up (of conversations),
+    # the most turns of a conversation, and how many are open (interleaved) at once.
+    frustrated_share: float = 0.0
+    max_turns: int = 4
+    concurrent_conversations: int = 8
+    # Also export the spans to this MLflow tracking server's OTLP endpoint (None: capture only).
+    mlflow_tracking_uri: str | None = None
+    mlflow_experiment_id: str = "0"
 
     def __post_init__(self) -> None:
-        for name in ("ungrounded_share", "failure_share"):
+        if self.max_turns < 1 or self.concurrent_conversations < 1:
+            raise ValueError(f"max_turns and concurrent_conversations must be at least 1, got "
+                             f"{self.max_turns} and {self.concurrent_conversations}")
+        for name in ("ungrounded_share", "failure_share", "frustrated_share"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be between 0 and 1, got {value}")
@@ -263,6 +295,26 @@ class AgentTrace:
     # None when the request failed before answering.
     grounded: bool | None
     tools: tuple[str, ...]
+    session_id: str = ""
+    user_id: str = ""
+    # The conversation's user was made frustrated (repeats, then gives up), and this turn was the
+    # conversation's last (`turn` is its 1-based number).
+    frustrated: bool = False
+    conversation_ended: bool = True
+    turn: int = 1
+
+
+@dataclass(slots=True)
+class _Conversation:
+    session_id: str
+    user_id: str
+    app: str
+    frustrated: bool
+    planned: int
+    question: str = ""
+    asked: list[str] = field(default_factory=list)
+    turns: int = 0
+    last_served: int = 0
 
 
 _INSTALL_LOCK = threading.Lock()
@@ -282,9 +334,12 @@ class SyntheticRagAgent:
         self._topics = [t for t in TOPICS if t.app in self.settings.apps]
         self._index = {app: _Index([d for t in self._topics if t.app == app for d in t.docs])
                        for app in self.settings.apps}
+        self._conv_rng = random.Random(self._rng.getrandbits(64))
         self._captured: list[Any] = []
         self._open = False
         self._sequence = 0
+        self._conversations: list[_Conversation] = []
+        self._export: Any = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -300,7 +355,7 @@ class SyntheticRagAgent:
         if not _INSTALL_LOCK.acquire(blocking=False):
             raise RuntimeError("another SyntheticRagAgent is open; MLflow tracing is process-wide")
         try:
-            _install_capture(self._captured, self._ids_rng)
+            self._export = _install_capture(self._captured, self._ids_rng, self.settings)
         except BaseException:
             _INSTALL_LOCK.release()
             raise
@@ -311,6 +366,10 @@ class SyntheticRagAgent:
             return
         self._open = False
         try:
+            if self._export is not None:
+                # Send what is still batched before MLflow's tracer goes away.
+                self._export.shutdown()
+                self._export = None
             import mlflow.tracing
 
             mlflow.tracing.reset()
@@ -325,29 +384,83 @@ class SyntheticRagAgent:
             yield self.run_once()
             produced += 1
 
-    def run_once(self) -> AgentTrace:
-        """Serve one synthetic request and return its finished trace."""
+    @property
+    def open_conversations(self) -> int:
+        return len(self._conversations)
+
+    def finish_conversations(self) -> Iterator[AgentTrace]:
+        """The remaining turns of every open conversation, starting no new one (a clean stop: every
+        conversation the agent began ends as it planned)."""
+        while self._conversations:
+            yield self.run_once(start_new=False)
+
+    def run_once(self, *, start_new: bool = True) -> AgentTrace:
+        """Serve one synthetic request (the next turn of one of the open conversations) and return its
+        finished trace."""
         if not self._open:
             raise RuntimeError("open the agent first (use it as a context manager)")
         rng = self._rng
-        topic = rng.choice(self._topics)
-        question = rng.choice(topic.questions)
+        self._sequence += 1
+        conv = self._pick_conversation(start_new)
+        conv.turns += 1
+        conv.last_served = self._sequence
+        topic, question, query = self._next_question(conv)
         failure = rng.choice(("retriever", "tool", "model")) if rng.random() < self.settings.failure_share \
             else None
         if failure == "tool" and topic.tool is None:
             failure = "model"
         grounded = rng.random() >= self.settings.ungrounded_share
-        self._sequence += 1
         request = _Request(topic=topic, question=question, failure=failure, grounded=grounded,
-                           number=self._sequence)
+                           number=self._sequence, session_id=conv.session_id, user_id=conv.user_id,
+                           query=query)
         self._captured.clear()
         tools = self._serve(request)
         if len(self._captured) != 1:
             raise RuntimeError(f"expected one captured trace, got {len(self._captured)}")
         trace = self._captured.pop()
+        ended = conv.turns >= conv.planned
+        if ended:
+            self._conversations.remove(conv)
         return AgentTrace(trace_id=trace.info.trace_id, app=topic.app, payload=trace.to_json().encode(),
                           failed=failure is not None, grounded=None if failure else grounded,
-                          tools=tools)
+                          tools=tools, session_id=conv.session_id, user_id=conv.user_id,
+                          frustrated=conv.frustrated, conversation_ended=ended, turn=conv.turns)
+
+    def _pick_conversation(self, start_new: bool) -> _Conversation:
+        rng, open_ = self._conv_rng, self._conversations
+        while start_new and len(open_) < self.settings.concurrent_conversations:
+            frustrated = rng.random() < self.settings.frustrated_share
+            # A frustrated user asks, asks again once or twice, then gives up: 3 or 4 turns.
+            planned = rng.choice((3, 4)) if frustrated else rng.randint(1, self.settings.max_turns)
+            open_.append(_Conversation(
+                session_id=f"conv-{rng.getrandbits(64):016x}", user_id=f"user-{rng.randrange(1, 150)}",
+                app=rng.choice(self.settings.apps), frustrated=frustrated, planned=planned,
+                last_served=self._sequence))
+        if not open_:
+            raise RuntimeError("no open conversation (finish_conversations ended them all)")
+        # The one kept waiting longest goes next once it has waited two rounds; else any of them.
+        oldest = min(open_, key=lambda c: c.last_served)
+        if self._sequence - oldest.last_served >= 2 * len(open_):
+            return oldest
+        return rng.choice(open_)
+
+    def _next_question(self, conv: _Conversation) -> tuple[Topic, str, str]:
+        """The user's next message and what the agent searches for: a new question about the app, or,
+        for a frustrated user, the first question again and at the end giving up (the agent still
+        answers the first question)."""
+        rng = self._rng
+        topics = [t for t in self._topics if t.app == conv.app]
+        if conv.frustrated and conv.turns > 1:
+            topic = next(t for t in topics if conv.question in t.questions)
+            if conv.turns >= conv.planned:
+                return topic, rng.choice(GIVE_UPS), conv.question
+            return topic, rng.choice(REPEATS).format(question=conv.question), conv.question
+        fresh = [(t, q) for t in topics for q in t.questions if q not in conv.asked]
+        topic, question = rng.choice(fresh or [(t, q) for t in topics for q in t.questions])
+        conv.asked.append(question)
+        if not conv.question:
+            conv.question = question
+        return topic, question, question
 
     def _serve(self, req: _Request) -> tuple[str, ...]:
         import mlflow
@@ -355,15 +468,16 @@ class SyntheticRagAgent:
 
         rng = self._rng
         clock = _VirtualClock(rng)
-        session = f"session-{rng.randrange(1, 400)}"
-        user = f"user-{rng.randrange(1, 150)}"
         root = mlflow.start_span_no_context(
             "rag_agent", span_type=SpanType.AGENT,
             inputs={"messages": [{"role": "user", "content": req.question}]},
             tags={APP_TAG: req.topic.app, "topic": req.topic.name},
-            metadata={"mlflow.trace.session": session, "mlflow.trace.user": user},
+            metadata={"mlflow.trace.session": req.session_id, "mlflow.trace.user": req.user_id},
             experiment_id=EXPERIMENT_IDS[req.topic.app], start_time_ns=clock.start_ns,
         )
+        # What MLflow's OTLP ingest reads for the session and the user (trace metadata is not sent
+        # over OTLP); the OpenTelemetry semantic conventions' names.
+        root.set_attributes({"session.id": req.session_id, "user.id": req.user_id})
         tools: list[str] = []
         try:
             docs = self._retrieve(root, req, clock)
@@ -382,13 +496,13 @@ class SyntheticRagAgent:
 
         start = clock.advance(1, 4)
         span = mlflow.start_span_no_context("retrieve_docs", span_type=SpanType.RETRIEVER, parent_span=root,
-                                            inputs={"query": req.question, "top_k": TOP_K},
+                                            inputs={"query": req.query, "top_k": TOP_K},
                                             start_time_ns=start)
         end = clock.advance(15, 120)
         if req.failure == "retriever":
             _raise_into(span, IndexUnavailable("vector index tideline-docs is unavailable (503)"), end)
         docs = [Document(page_content=d.text, metadata={"doc_uri": d.uri, "chunk_id": d.doc_id}, id=d.doc_id)
-                for d in self._index[req.topic.app].search(req.question, TOP_K)]
+                for d in self._index[req.topic.app].search(req.query, TOP_K)]
         span.end(outputs=docs, end_time_ns=end)
         return docs
 
@@ -422,7 +536,7 @@ class SyntheticRagAgent:
         ]
         if req.grounded:
             # The documents that share the most words with the question carry the answer.
-            q = _terms(req.question)
+            q = _terms(req.query)
             ranked = sorted(docs, key=lambda d: -len(q & _terms(d.page_content)))
             answer = " ".join(d.page_content for d in ranked[:rng.choice((1, 2))])
         else:
@@ -458,6 +572,11 @@ class _Request:
     failure: str | None
     grounded: bool
     number: int
+    session_id: str
+    user_id: str
+    # What the agent retrieves and answers for: the question, or for a repeat or a give-up the
+    # question the conversation is about.
+    query: str
 
 
 class _VirtualClock:
@@ -498,8 +617,10 @@ def _end_with_exception(span: LiveSpan, exc: Exception, end_ns: int) -> None:
     span.end(end_time_ns=end_ns)
 
 
-def _install_capture(sink: list[Any], ids_rng: random.Random) -> None:
-    """Route MLflow tracing into `sink` through MLflow's own span processor, with no tracking store."""
+def _install_capture(sink: list[Any], ids_rng: random.Random, settings: AgentSettings) -> Any:
+    """Route MLflow tracing into `sink` through MLflow's own span processor, with no tracking store;
+    with `settings.mlflow_tracking_uri` also export every span to that server's OTLP endpoint.
+    Returns the exporting span processor (None without one), to be shut down when the agent closes."""
     try:
         from mlflow.tracing.processor.mlflow_v3 import MlflowV3SpanProcessor
         from mlflow.tracing.provider import provider
@@ -531,7 +652,29 @@ def _install_capture(sink: list[Any], ids_rng: random.Random) -> None:
 
     tracer_provider = TracerProvider(id_generator=_SeededIds())
     tracer_provider.add_span_processor(MlflowV3SpanProcessor(_CapturingExporter(), export_metrics=False))
+    export = None
+    if settings.mlflow_tracking_uri:
+        export = mlflow_otlp_processor(settings.mlflow_tracking_uri, settings.mlflow_experiment_id)
+        tracer_provider.add_span_processor(export)
     # Mark MLflow's lazy initialisation as done so it keeps our provider instead of building its
     # default one, which would log to a tracking store (./mlflow.db by default).
     provider.once.do_once(lambda: None)
     provider.set(tracer_provider)
+    return export
+
+
+# The export to MLflow must not hold the demo up: a short timeout per batch.
+OTLP_EXPORT_TIMEOUT_SECONDS = 5.0
+
+
+def mlflow_otlp_processor(tracking_uri: str, experiment_id: str = "0") -> Any:
+    """A batching span processor exporting OTLP/HTTP protobuf to MLflow's `<tracking_uri>/v1/traces`
+    with the `x-mlflow-experiment-id` header: MLflow stores each trace as `tr-<32 hex>`, the id the
+    agent's captured trace has too."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    exporter = OTLPSpanExporter(endpoint=tracking_uri.rstrip("/") + "/v1/traces",
+                                headers={"x-mlflow-experiment-id": experiment_id},
+                                timeout=OTLP_EXPORT_TIMEOUT_SECONDS)
+    return BatchSpanProcessor(exporter, schedule_delay_millis=500)

@@ -10,6 +10,19 @@ was produced, and a final summary table is printed.
 Everything the summary says about evaluation is read from the runner's Prometheus registry - the
 numbers a Prometheus server scraping `/metrics` would see - beside what the agent meant to produce,
 so the two can be compared ("made 30% ungrounded" / "groundedness pass rate 71%").
+
+Conversations: the agent's requests are turns of conversations (`mlflow.trace.session`), a share of
+them with a user who repeats the question and gives up. With its own broker the demo also runs the
+session stage (`tracejudge sessions`) in-process on the runner's results topic, with a short
+inactivity (`--session-inactivity`, 4 s) instead of the production 300 s, and the summary puts the
+sessions it closed and the heuristic `user_frustration` judge's `unresolved` rate beside the
+conversations the agent made frustrated (or ended on a failed turn, which the judge also reads as
+unresolved). At the end the agent finishes the conversations it began, and the demo waits for their
+sessions to close.
+
+`--mlflow-tracking-uri URI` also exports the agent's spans to that MLflow server's OTLP endpoint
+(`URI/v1/traces`, experiment `--mlflow-experiment-id`, default 0), so the traces exist in MLflow and a
+`tracejudge sink mlflow` can write the verdicts onto them.
 """
 
 from __future__ import annotations
@@ -34,10 +47,16 @@ _log = logging.getLogger(__name__)
 
 DEFAULT_TOPIC = "tracejudge-demo-traces"
 DEFAULT_GROUP = "tracejudge-demo"
+SESSIONS_GROUP = "tracejudge-demo-sessions"
+DEFAULT_SESSION_INACTIVITY = 4.0
+# The most conversations the agent keeps open at once; fewer at low rates (see `conversations_for`).
+MAX_CONCURRENT_CONVERSATIONS = 16
 PARTITIONS = 3
 BOOTSTRAP_TIMEOUT_MS = 15_000
 # How long the final drain may wait for the consumer to catch up with what was produced.
 DRAIN_TIMEOUT_SECONDS = 20.0
+# How long the agent waits for the consumers' first partition assignment before producing anyway.
+JOIN_TIMEOUT_SECONDS = 30.0
 TTY_REFRESH_SECONDS = 1.0
 PLAIN_REFRESH_SECONDS = 5.0
 
@@ -65,6 +84,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"the topic the agent's traces go to (default: {DEFAULT_TOPIC})")
     parser.add_argument("--seed", type=int, default=None,
                         help="make the agent's traces reproducible (default: different every run)")
+    parser.add_argument("--frustrated-share", type=_share, default=0.2, metavar="SHARE",
+                        help="share of conversations whose user repeats the question and gives up "
+                             "(default: 0.2)")
+    parser.add_argument("--session-inactivity", type=_positive(float), default=DEFAULT_SESSION_INACTIVITY,
+                        metavar="SECONDS",
+                        help="the session stage closes a conversation this long after its last turn "
+                             f"(default: {DEFAULT_SESSION_INACTIVITY:g}; production default 300)")
+    parser.add_argument("--mlflow-tracking-uri", metavar="URI",
+                        help="also export the agent's traces to this MLflow tracking server "
+                             "(OTLP/HTTP to URI/v1/traces), so verdicts can be written onto them")
+    parser.add_argument("--mlflow-experiment-id", default="0", metavar="ID",
+                        help="the MLflow experiment the exported traces go to (default: 0)")
 
 
 def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
@@ -99,6 +130,34 @@ class AppCounts:
     failed: int = 0
     ungrounded: int = 0
     with_tools: int = 0
+    # Conversations the agent ended, those it made frustrated (the user repeated and gave up), and
+    # the other ones whose last turn failed (a frustration judge reads both as unresolved).
+    conversations: int = 0
+    frustrated: int = 0
+    ended_on_failure: int = 0
+
+    def count(self, item: Any) -> None:
+        self.produced += 1
+        self.failed += item.failed
+        self.ungrounded += item.grounded is False
+        self.with_tools += bool(item.tools)
+        if item.conversation_ended:
+            self.conversations += 1
+            self.frustrated += item.frustrated
+            self.ended_on_failure += item.failed and not item.frustrated
+
+    @property
+    def unresolved(self) -> int:
+        """Conversations a frustration judge should call unresolved: the user gave up, or the last
+        turn failed."""
+        return self.frustrated + self.ended_on_failure
+
+
+def conversations_for(rate: float, inactivity: float) -> int:
+    """How many conversations the agent interleaves: enough to mix, few enough that no conversation
+    waits longer than a quarter of the inactivity between its turns (the agent serves each open
+    conversation at least every 2 x N turns, i.e. 2N / rate seconds), so a conversation is one session."""
+    return max(1, min(MAX_CONCURRENT_CONVERSATIONS, int(rate * inactivity / 8)))
 
 
 @dataclass
@@ -158,15 +217,7 @@ class TraceProducer(threading.Thread):
         interval = 1.0 / self.rate
         next_at = time.monotonic()
         while not self._stop_event.is_set():
-            item = agent.run_once()
-            future = producer.send(self.topic, key=item.trace_id.encode(), value=item.payload)
-            future.add_errback(self._send_failed)
-            with self._lock:
-                counts = self.stats.by_app.setdefault(item.app, AppCounts())
-                counts.produced += 1
-                counts.failed += item.failed
-                counts.ungrounded += item.grounded is False
-                counts.with_tools += bool(item.tools)
+            self._send(producer, agent.run_once())
             next_at += interval
             delay = next_at - time.monotonic()
             if delay < -1.0:
@@ -174,6 +225,15 @@ class TraceProducer(threading.Thread):
                 next_at = time.monotonic()
             elif delay > 0:
                 self._stop_event.wait(delay)
+        # A clean stop: the users of the open conversations finish them (a few turns each, at once).
+        for item in agent.finish_conversations():
+            self._send(producer, item)
+
+    def _send(self, producer: Any, item: Any) -> None:
+        future = producer.send(self.topic, key=item.trace_id.encode(), value=item.payload)
+        future.add_errback(self._send_failed)
+        with self._lock:
+            self.stats.by_app.setdefault(item.app, AppCounts()).count(item)
 
     def _send_failed(self, exc: BaseException) -> None:
         with self._lock:
@@ -250,6 +310,12 @@ LATENCY = "tracejudge_trace_latency_seconds"
 TOKENS = "tracejudge_tokens_total"
 LAG = "tracejudge_consumer_lag_records"
 GROUNDEDNESS = "groundedness"
+# The session stage's series and the session judges'.
+SESSIONS = "tracejudge_sessions_total"
+SESSION_TURNS = "tracejudge_session_turns"
+SESSION_VERDICTS = "tracejudge_session_judge_verdicts_total"
+REOPENED = "tracejudge_sessions_reopened_total"
+FRUSTRATION = "user_frustration"
 
 
 @dataclass
@@ -257,6 +323,8 @@ class Summary:
     elapsed: float
     producer: ProducerStats
     samples: Samples
+    # The session stage's registry (None: no session stage, e.g. on someone else's Kafka).
+    sessions: Samples | None = None
 
     @property
     def evaluated(self) -> int:
@@ -266,6 +334,21 @@ class Summary:
     def handled(self) -> int:
         """Records the runner is done with, evaluated or dead-lettered: what the drain waits for."""
         return int(self.samples.total(RECORDS))
+
+    @property
+    def sessions_closed(self) -> int:
+        """Sessions the stage closed, not counting re-evaluations of reopened ones."""
+        if self.sessions is None:
+            return 0
+        return int(self.sessions.total(SESSIONS) - self.sessions.total(REOPENED))
+
+    def unresolved_rate(self, **match: str) -> tuple[float | None, int]:
+        """The share of judged sessions `user_frustration` called unresolved, and how many it judged."""
+        if self.sessions is None:
+            return None, 0
+        verdicts = self.sessions.by(SESSION_VERDICTS, "verdict", judge=FRUSTRATION, **match)
+        n = int(sum(verdicts.values()))
+        return (verdicts.get("unresolved", 0.0) / n if n else None), n
 
     def pass_rate(self, judge: str, **match: str) -> tuple[float | None, int]:
         verdicts = self.samples.by(VERDICTS, "verdict", judge=judge, **match)
@@ -282,6 +365,11 @@ class Summary:
         rate_g, n = self.pass_rate(GROUNDEDNESS)
         if n:
             parts.append(f"groundedness pass {_pct(rate_g)} of {n}")
+        if self.sessions is not None:
+            parts.append(f"sessions {self.sessions_closed}")
+            rate_u, n_u = self.unresolved_rate()
+            if n_u:
+                parts.append(f"user_frustration unresolved {_pct(rate_u)} of {n_u}")
         dead = int(s.total(DEAD_LETTERS))
         if dead:
             parts.append(f"dead letters {dead}")
@@ -300,8 +388,11 @@ class Summary:
             def cell(match: dict[str, str]) -> str:
                 counts = [c for app, c in p.by_app.items() if match.get("app", app) == app]
                 value = sum(getattr(c, attr) for c in counts)
-                if attr == "produced":
+                if attr in ("produced", "conversations"):
                     return str(value)
+                if attr in ("frustrated", "ended_on_failure", "unresolved"):
+                    total = sum(c.conversations for c in counts)
+                    return f"{value} ({_pct(value / total if total else None)})"
                 # The ungrounded share is of the answered requests, like the groundedness pass rate.
                 total = sum(c.produced - (c.failed if attr == "ungrounded" else 0) for c in counts)
                 return f"{value} ({_pct(value / total if total else None)})"
@@ -327,6 +418,19 @@ class Summary:
                 return f"{_pct(rate)} (n={n})" if n else "not judged"
             return cell
 
+        def sessions(match: dict[str, str]) -> str:
+            assert self.sessions is not None
+            return str(int(self.sessions.total(SESSIONS, **match)))
+
+        def session_turns(match: dict[str, str]) -> str:
+            assert self.sessions is not None
+            q = self.sessions.quantile
+            return f"{_num(q(SESSION_TURNS, 0.5, **match))} / {_num(q(SESSION_TURNS, 0.95, **match))}"
+
+        def unresolved(match: dict[str, str]) -> str:
+            rate, n = self.unresolved_rate(**match)
+            return f"{_pct(rate)} (n={n})" if n else "not judged"
+
         # Groundedness first: it is what the agent's ungrounded share should show up in.
         judges = sorted(set(s.by(VERDICTS, "judge")) | {GROUNDEDNESS}, key=lambda j: (j != GROUNDEDNESS, j))
 
@@ -341,7 +445,17 @@ class Summary:
             row("latency p50 / p95", latency),
             row("tokens in / out", tokens),
             *(row(f"{judge} pass rate", pass_rate(judge)) for judge in judges),
+            row("conversations by the agent", produced("conversations")),
+            row("  made frustrated (repeat, give up)", produced("frustrated")),
+            row("  other, last turn failed", produced("ended_on_failure")),
+            row("  either: should read unresolved", produced("unresolved")),
         ]
+        if self.sessions is not None:
+            rows += [
+                row("sessions evaluated", sessions),
+                row("  turns per session p50 / p95", session_turns),
+                row("user_frustration unresolved", unresolved),
+            ]
         widths = [max(len(r[i]) for r in rows) for i in range(len(columns) + 1)]
         lines = [title, ""]
         lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
@@ -352,11 +466,19 @@ class Summary:
         lines.append(f"  dead letters: {_counts(dead)}")
         if p.send_errors:
             lines.append(f"  produce errors: {p.send_errors} (last: {p.last_send_error})")
+        if self.sessions is None:
+            lines.append("  sessions: not evaluated (the session stage runs with the demo's own broker)")
+        elif reopened := int(self.sessions.total(REOPENED)):
+            lines.append(f"  sessions reopened by a late turn (evaluated again): {reopened}")
         return "\n".join(lines)
 
 
 def _counts(by_key: Mapping[str, float]) -> str:
     return ", ".join(f"{k} {int(v)}" for k, v in sorted(by_key.items())) or "0"
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
 
 
 def _secs(v: float | None) -> str:
@@ -472,7 +594,10 @@ def main(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
     _quiet_client_logs()
     settings = AgentSettings(ungrounded_share=args.ungrounded_share, failure_share=args.failure_share,
-                             seed=args.seed)
+                             seed=args.seed, frustrated_share=args.frustrated_share,
+                             concurrent_conversations=conversations_for(args.rate, args.session_inactivity),
+                             mlflow_tracking_uri=args.mlflow_tracking_uri,
+                             mlflow_experiment_id=args.mlflow_experiment_id)
     stop = _Stop()
     stop.install()
     try:
@@ -485,17 +610,36 @@ def main(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 bootstrap = broker.bootstrap_servers
                 print(f"Started a local Kafka-compatible broker (Tansu) on {bootstrap}", file=out, flush=True)
             create_topic(bootstrap, args.topic)
+            if not args.bootstrap_servers:
+                # The session stage subscribes to the runner's results before the first result exists.
+                create_topic(bootstrap, f"{args.topic}.results")
             runner = start_runner(bootstrap, args.topic, args.metrics_port,
                                   publish=not args.bootstrap_servers)
             stack.callback(runner.close)
+            sessions: EmbeddedSessions | None = None
+            if not args.bootstrap_servers:
+                sessions = EmbeddedSessions(bootstrap, args.topic, args.session_inactivity).start()
+                stack.callback(sessions.close)
             print(f"Prometheus metrics: {runner.metrics_url}", file=out, flush=True)
+            if sessions is not None:
+                print(f"Session stage: conversations close after {args.session_inactivity:g}s of silence; "
+                      f"its metrics: {sessions.metrics_url}", file=out, flush=True)
+            if args.mlflow_tracking_uri:
+                print(f"Exporting the agent's traces to MLflow at {args.mlflow_tracking_uri} (experiment "
+                      f"{args.mlflow_experiment_id})", file=out, flush=True)
             print(f"Agent: {args.rate:g} traces/s to topic {args.topic!r}, {_pct(args.ungrounded_share)} "
-                  f"ungrounded, {_pct(args.failure_share)} failing; running for {args.duration:g}s "
-                  "(Ctrl-C to stop)", file=out, flush=True)
+                  f"ungrounded, {_pct(args.failure_share)} failing, {_pct(args.frustrated_share)} of "
+                  f"conversations frustrated; running for {args.duration:g}s (Ctrl-C to stop)",
+                  file=out, flush=True)
+            # Start producing once the consumers have joined their groups: a backlog read partition by
+            # partition would hand the session stage a conversation's turns seconds out of order.
+            for embedded in (runner, sessions):
+                if embedded is not None:
+                    embedded.runner.wait_assigned(JOIN_TIMEOUT_SECONDS)
             producer = TraceProducer(bootstrap, args.topic, args.rate, settings)
             producer.start()
             started = time.monotonic()
-            _run_live(out, runner, producer, stop, started, args.duration)
+            _run_live(out, runner, sessions, producer, stop, started, args.duration)
             producer.stop()
             producer.join(timeout=30)
             if producer.error is not None:
@@ -506,17 +650,29 @@ def main(args: argparse.Namespace, out: TextIO | None = None) -> int:
             # Joined, so every send has been acknowledged or has failed: wait for the delivered ones.
             produced = sent.produced - sent.send_errors
             drained = _drain(runner, produced, stop)
-            final = Summary(time.monotonic() - started, producer.snapshot(), runner.samples())
+            conversations = sum(c.conversations for c in sent.by_app.values())
+            closed = drained and (sessions is None or _drain_sessions(sessions, conversations, stop,
+                                                                      args.session_inactivity))
+            final = Summary(time.monotonic() - started, producer.snapshot(), runner.samples(),
+                            None if sessions is None else sessions.samples())
             if not drained:
                 print(f"Stopped before the consumer caught up: {final.handled} of {produced} records "
                       "consumed.", file=out)
+            elif not closed:
+                print(f"Stopped before every conversation was evaluated: {final.sessions_closed} of "
+                      f"{conversations} sessions closed.", file=out)
             print(final.table(f"tracejudge demo - final summary after {final.elapsed:.0f}s"), file=out,
                   flush=True)
             if runner.error is not None:
                 _log.error("the consumer stopped", exc_info=runner.error)
                 print(f"tracejudge demo: the consumer stopped: {type(runner.error).__name__}: "
                       f"{runner.error}", file=sys.stderr)
-            if runner.error is not None or producer.error is not None:
+            if sessions is not None and sessions.error is not None:
+                _log.error("the session stage stopped", exc_info=sessions.error)
+                print(f"tracejudge demo: the session stage stopped: {type(sessions.error).__name__}: "
+                      f"{sessions.error}", file=sys.stderr)
+            if runner.error is not None or producer.error is not None or (
+                    sessions is not None and sessions.error is not None):
                 return 1
     except ConfigError as exc:
         print(f"tracejudge demo: {exc.report()}", file=sys.stderr)
@@ -529,19 +685,21 @@ def main(args: argparse.Namespace, out: TextIO | None = None) -> int:
     return 0
 
 
-def _run_live(out: TextIO, runner: Any, producer: TraceProducer, stop: _Stop, started: float,
-              duration: float) -> None:
+def _run_live(out: TextIO, runner: Any, sessions: EmbeddedSessions | None, producer: TraceProducer,
+              stop: _Stop, started: float, duration: float) -> None:
     view = LiveView(out)
     deadline = started + duration
     next_refresh = started + view.refresh_seconds
     while not stop.requested.is_set():
         now = time.monotonic()
-        if now >= deadline or producer.error is not None or runner.error is not None:
+        if now >= deadline or producer.error is not None or runner.error is not None or (
+                sessions is not None and sessions.error is not None):
             break
         if stop.requested.wait(max(0.0, min(next_refresh, deadline) - now)):
             break
         if time.monotonic() >= next_refresh:
-            view.show(Summary(time.monotonic() - started, producer.snapshot(), runner.samples()))
+            view.show(Summary(time.monotonic() - started, producer.snapshot(), runner.samples(),
+                              None if sessions is None else sessions.samples()))
             next_refresh += view.refresh_seconds
     view.clear()
 
@@ -556,6 +714,17 @@ def _drain(runner: Any, produced: int, stop: _Stop) -> bool:
     return int(runner.samples().total(RECORDS)) >= produced
 
 
+def _drain_sessions(sessions: EmbeddedSessions, conversations: int, stop: _Stop, inactivity: float) -> bool:
+    """Wait until the session stage has closed a session per conversation the agent ended: the last
+    ones close `inactivity` seconds after their last turn."""
+    deadline = time.monotonic() + DRAIN_TIMEOUT_SECONDS + inactivity
+    while time.monotonic() < deadline and not stop.hurry.is_set() and sessions.error is None:
+        if sessions.closed() >= conversations:
+            return True
+        stop.hurry.wait(0.1)
+    return sessions.closed() >= conversations
+
+
 def _quiet_client_logs() -> None:
     # kafka-python and the runner narrate connections and rebalances at INFO; the live summary is the
     # demo's output (and a log line on the terminal would break its redrawing). kafka-python's
@@ -564,7 +733,7 @@ def _quiet_client_logs() -> None:
 
     configure_library_logs(logging.getLogger().getEffectiveLevel())
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
-        for name in ("kafka", "mlflow", "tracejudge.run"):
+        for name in ("kafka", "mlflow", "tracejudge.run", "tracejudge.sessions"):
             logging.getLogger(name).setLevel(logging.WARNING)
 
 
@@ -639,3 +808,66 @@ class EmbeddedRunner:
 def start_runner(bootstrap_servers: str, topic: str, metrics_port: int, *,
                  publish: bool = True) -> EmbeddedRunner:
     return EmbeddedRunner(bootstrap_servers, topic, metrics_port, publish=publish).start()
+
+
+class EmbeddedSessions:
+    """`tracejudge sessions`' `SessionRunner` in a thread of the demo: it reads the runner's results
+    topic and closes a conversation after `inactivity` seconds without a turn (the production default
+    is 300 s), judging it with the heuristic `user_frustration` judge."""
+
+    def __init__(self, bootstrap_servers: str, topic: str, inactivity: float) -> None:
+        from tracejudge.consumer.config import load_settings
+        from tracejudge.consumer.sessions import SessionRunner
+
+        self.settings = load_settings(environ={}, overrides={
+            "kafka.bootstrap_servers": bootstrap_servers,
+            "kafka.client_id": "tracejudge-demo-sessions",
+            "kafka.session_timeout_ms": 6000,
+            "kafka.heartbeat_interval_ms": 1000,
+            "stream.results_topic": f"{topic}.results",
+            "sessions.results_topic": f"{topic}.sessions",
+            "sessions.dead_letter_topic": f"{topic}.sessions.dead-letters",
+            "sessions.group_id": SESSIONS_GROUP,
+            "sessions.inactivity_s": inactivity,
+            "http.bind_address": "127.0.0.1",
+            "http.port": 0,
+            # No endpoint: the heuristic user_frustration judge on every session.
+            "judges": {},
+        }, require_topics=False)
+        self.runner = SessionRunner(self.settings)
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tracejudge-demo-sessions", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.runner.run()
+        except BaseException as exc:  # reported by main()
+            self.error = exc
+
+    def start(self, timeout: float = 30.0) -> EmbeddedSessions:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while self.runner.http_port is None and self.error is None and self._thread.is_alive():
+            if time.monotonic() > deadline:
+                raise DemoUnavailable(f"the session stage did not serve /metrics within {timeout:g}s")
+            self._thread.join(0.02)
+        if self.error is not None:
+            raise DemoUnavailable(f"the session stage could not start: {self.error}") from self.error
+        return self
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.runner.http_port}/metrics"
+
+    def samples(self) -> Samples:
+        return Samples.collect(self.runner.registry)
+
+    def closed(self) -> int:
+        """Sessions closed, re-evaluations of reopened sessions not counted."""
+        samples = self.samples()
+        return int(samples.total(SESSIONS) - samples.total(REOPENED))
+
+    def close(self) -> None:
+        self.runner.stop()
+        self._thread.join(timeout=self.settings.stream.shutdown_grace_seconds
+                          + self.settings.kafka.commit_timeout_ms / 1000 + 10)
