@@ -3,6 +3,7 @@ and each service's own config passes that service's own checker where one is ins
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import importlib.metadata
 import json
@@ -21,9 +22,10 @@ import yaml
 from support.deploy_files import COMPOSE, DASHBOARDS, ROOT, load_yaml, tool
 from support.prometheus_stack import free_port, wait_until
 
-SERVICES = {"kafka", "kafka-init", "otel-collector", "jaeger", "mlflow", "tracejudge",
+SERVICES = {"kafka", "kafka-init", "otel-collector", "jaeger", "mlflow", "tracejudge", "tracejudge-sessions",
             "tracejudge-sink-mlflow", "agent", "prometheus", "alertmanager", "alert-relay", "grafana"}
 SINK = "tracejudge-sink-mlflow"
+SESSIONS = "tracejudge-sessions"
 
 
 def compose() -> dict[str, Any]:
@@ -96,7 +98,7 @@ def test_prometheus_config_passes_promtool_with_the_shipped_rules(tmp_path: Path
     result = subprocess.run([tool("promtool"), "check", "config", str(path)], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 14 rules found" in result.stdout  # the rule file was found through the glob
+    assert "SUCCESS: 17 rules found" in result.stdout  # the rule file was found through the glob
 
 
 def test_prometheus_keeps_exemplars_and_scrapes_the_stack() -> None:
@@ -193,9 +195,11 @@ def test_grafana_provisions_the_datasources_and_the_dashboards() -> None:
     by_uid = {s["uid"]: s for s in sources}
     prometheus = by_uid["prometheus"]
     assert httpx.URL(prometheus["url"]).host in compose()["services"] and prometheus["isDefault"] is True
-    link, jaeger = prometheus["jsonData"]["exemplarTraceIdDestinations"]
-    # The exemplar label tracejudge writes (metrics/prometheus.py, metrics/judge_metrics.py).
+    link, jaeger, session = prometheus["jsonData"]["exemplarTraceIdDestinations"]
+    # The exemplar labels tracejudge writes (metrics/prometheus.py, metrics/judge_metrics.py; the session
+    # judges' scores: metrics/session_judges.py).
     assert link["name"] == jaeger["name"] == "trace_id"
+    assert session["name"] == "session_id" and "url" in session
     assert jaeger["datasourceUid"] in by_uid and by_uid[jaeger["datasourceUid"]]["type"] == "jaeger"
     (provider,) = load_yaml(provisioning / "dashboards" / "tracejudge.yaml")["providers"]
     assert mounted("grafana", provider["options"]["path"]) == DASHBOARDS
@@ -206,19 +210,21 @@ def test_grafana_provisions_the_datasources_and_the_dashboards() -> None:
         assert json.loads(path.read_text())["templating"]["list"][0]["query"] == prometheus["type"]
 
 
-@pytest.mark.parametrize("name", ["kafka", "tracejudge", SINK, "mlflow"])
+@pytest.mark.parametrize("name", ["kafka", "tracejudge", SESSIONS, SINK, "mlflow"])
 def test_long_running_services_restart(name: str) -> None:
     assert service(name)["restart"] == "unless-stopped"
 
 
 # --- from the alert to the traces: exemplar links, MLflow, the MLflow sink ------------------------------
 
-def exemplar_link() -> str:
-    """The provisioned exemplar URL as Grafana sees it (provisioning turns `$$` into `$`)."""
+def exemplar_link(label: str = "trace_id") -> str:
+    """The provisioned exemplar URL for exemplars labelled `label` as Grafana sees it (provisioning
+    turns `$$` into `$`)."""
     provisioning = mounted("grafana", "/etc/grafana/provisioning")
     sources = load_yaml(provisioning / "datasources" / "datasources.yaml")["datasources"]
     prometheus = next(s for s in sources if s["type"] == "prometheus")
-    (url,) = [d["url"] for d in prometheus["jsonData"]["exemplarTraceIdDestinations"] if "url" in d]
+    (url,) = [d["url"] for d in prometheus["jsonData"]["exemplarTraceIdDestinations"]
+              if "url" in d and d["name"] == label]
     assert "$" not in url.replace("$$", ""), "an unescaped $ would be read as an environment variable"
     return url.replace("$$", "$")
 
@@ -394,3 +400,100 @@ def test_the_sink_accepts_the_compose_config() -> None:
                            env={k: v for k, v in os.environ.items()
                                 if not k.startswith(("TRACEJUDGE_", "MLFLOW_"))})
     assert check.returncode == 0, check.stderr
+
+
+# --- conversations: the session stage, its results written back, the demo agent in MLflow ---------------
+
+def test_the_session_stage_runs_the_tracejudge_image_on_the_shared_config() -> None:
+    sessions, evaluator = service(SESSIONS), service("tracejudge")
+    assert sessions["image"] == evaluator["image"] and sessions["build"] == evaluator["build"]
+    assert sessions["entrypoint"] == ["tracejudge", "sessions"]
+    assert sessions["command"] == ["--config", "/etc/tracejudge/config.yaml"]
+    config = "/etc/tracejudge/config.yaml"
+    assert mounted(SESSIONS, config) == mounted("tracejudge", config)
+    assert sessions["depends_on"]["kafka-init"] == {"condition": "service_completed_successfully"}
+    assert int(sessions["stop_grace_period"].removesuffix("s")) >= \
+        tracejudge_config()["stream"]["shutdown_grace_seconds"] + 10
+
+
+def test_the_session_stage_reads_the_results_and_writes_session_results_to_created_topics() -> None:
+    from tracejudge.consumer.config import load_settings
+
+    config = tracejudge_config()
+    sessions = config["sessions"]
+    assert sessions.get("input_topic", config["stream"]["results_topic"]) == config["stream"]["results_topic"]
+    assert sessions["results_topic"] == "tracejudge-session-results"
+    created = set(service("kafka-init")["environment"]["TOPICS"].split())
+    assert {sessions["results_topic"], sessions["dead_letter_topic"]} <= created
+    assert len({sessions["results_topic"], sessions["dead_letter_topic"], config["stream"]["results_topic"],
+                config["stream"]["dead_letter_topic"], config["sink"]["dead_letter_topic"]}) == 5
+    # The shared file names no sessions group: the stage joins its own default group, never the
+    # evaluator's (kafka.group_id) nor a sink's.
+    assert "group_id" not in sessions
+    from tracejudge.consumer.sessions import plan_sessions
+
+    plan = plan_sessions(load_settings(mounted(SESSIONS, "/etc/tracejudge/config.yaml"), environ={}))
+    assert plan.input_topic == config["stream"]["results_topic"]
+    assert plan.results_topic == sessions["results_topic"]
+    assert plan.group_id == "tracejudge-sessions"
+    assert plan.group_id not in {config["kafka"]["group_id"], "tracejudge-sink-mlflow",
+                                 "tracejudge-sink-otlp"}
+
+
+def test_the_session_stage_accepts_the_compose_config() -> None:
+    path = mounted(SESSIONS, "/etc/tracejudge/config.yaml")
+    check = subprocess.run([sys.executable, "-m", "tracejudge.consumer.cli", "sessions", "--config",
+                            str(path), "--check-config"], capture_output=True, text=True, timeout=60,
+                           env={k: v for k, v in os.environ.items() if not k.startswith("TRACEJUDGE_")})
+    assert check.returncode == 0, check.stderr
+    assert 'sessions.group_id (effective) = "tracejudge-sessions"' in check.stdout
+
+
+def test_the_sink_writes_session_verdicts_back_too() -> None:
+    from tracejudge.consumer.config import load_settings
+    from tracejudge.consumer.sink_stage import plan_sink
+
+    settings = load_settings(mounted(SINK, "/etc/tracejudge/config.yaml"), environ={})
+    plan = plan_sink(settings, "mlflow")
+    assert plan.session_results_topic == tracejudge_config()["sessions"]["results_topic"]
+    assert plan.results_topic == tracejudge_config()["stream"]["results_topic"]
+
+
+def test_prometheus_scrapes_the_session_stage() -> None:
+    config = load_yaml(COMPOSE / "prometheus.yml")
+    jobs = {job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
+            for job in config["scrape_configs"]}
+    port = tracejudge_config()["http"]["port"]
+    assert jobs[SESSIONS] == [f"{SESSIONS}:{port}"]
+    (published,) = service(SESSIONS)["ports"]
+    assert published.endswith(f":{port}") and published not in service("tracejudge")["ports"]
+
+
+def test_the_demo_agent_logs_its_traces_to_the_mlflow_service() -> None:
+    """Without the tracking URI the agent's traces reach Kafka only, and the sink skips their verdicts
+    as unknown_trace; with it MLflow has every trace (experiment 0, where the links open)."""
+    agent = service("agent")
+    args = agent["command"]
+    uri = httpx.URL(args[args.index("--mlflow-tracking-uri") + 1])
+    assert (uri.host, uri.port) == ("mlflow", int(mlflow_flags()["port"]))
+    assert f"{uri.host}:{uri.port}" in mlflow_flags()["allowed-hosts"].split(",")
+    assert agent["depends_on"]["mlflow"] == {"condition": "service_healthy"}
+    from tracejudge.consumer.demo.command import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    parsed = parser.parse_args(args)
+    assert parsed.mlflow_tracking_uri == str(uri).rstrip("/")
+
+
+def test_session_exemplars_link_to_the_mlflow_conversation_view() -> None:
+    template = exemplar_link("session_id")
+    assert template == "${session_url:raw}${__value.raw}"
+    variables = json.loads((DASHBOARDS / "tracejudge-quality.json").read_text())["templating"]["list"]
+    default = next(v["query"] for v in variables if v["name"] == "session_url")
+    url = httpx.URL(render_link(template, {"session_url": default, "__value.raw": "conv-42"}))
+    assert (url.host, url.port) == ("localhost", int(service("mlflow")["ports"][0].split(":")[0]))
+    # The experiment the demo agent and the collector log to.
+    collector = load_yaml(mounted("otel-collector", "/etc/otelcol-contrib/config.yaml"))
+    experiment = collector["exporters"]["otlphttp/mlflow"]["headers"]["x-mlflow-experiment-id"]
+    assert url.fragment == f"/experiments/{experiment}/chat-sessions/conv-42"

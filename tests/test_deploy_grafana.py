@@ -15,6 +15,7 @@ import yaml
 from support.deploy_files import (
     DASHBOARDS,
     METRICS,
+    SESSION_METRICS,
     SINK_METRICS,
     deploy_module,
     family_of,
@@ -23,7 +24,10 @@ from support.deploy_files import (
 )
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-EXEMPLAR_FAMILIES = {"tracejudge_trace_latency_seconds", "tracejudge_judge_score"}
+# Histograms whose observations carry an exemplar, and the exemplar's label: where its dot links to.
+EXEMPLAR_LABELS = {"tracejudge_trace_latency_seconds": "trace_id", "tracejudge_judge_score": "trace_id",
+                   "tracejudge_session_judge_score": "session_id"}
+EXEMPLAR_FAMILIES = set(EXEMPLAR_LABELS)
 
 
 def promql():
@@ -139,10 +143,14 @@ def test_histograms_with_trace_id_exemplars_ask_for_them() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(dashboards()))
-def test_every_variable_is_the_datasource_a_label_query_or_the_trace_link(name: str) -> None:
+def test_every_variable_is_the_datasource_a_label_query_or_an_exemplar_link(name: str) -> None:
     kinds = [(v["name"], v["type"]) for v in dashboards()[name]["templating"]["list"]]
     assert kinds[0] == ("datasource", "datasource") and kinds[-1] == ("trace_url", "textbox")
-    assert {kind for _, kind in kinds[1:-1]} == {"query"}
+    middle = [kind for variable, kind in kinds[1:-1] if variable != "session_url"]
+    assert set(middle) == {"query"}
+    # The session link, where a dashboard has one, sits with the trace link after the label queries.
+    if ("session_url", "textbox") in kinds:
+        assert kinds[-2] == ("session_url", "textbox")
 
 
 @pytest.mark.parametrize("name", sorted(dashboards()))
@@ -160,10 +168,29 @@ def test_trace_link_variable_defaults_to_the_mlflow_trace_view(name: str) -> Non
 
 
 def test_exemplar_panels_say_where_the_dots_lead() -> None:
+    leads_to = {"trace_id": "exemplars link to the trace", "session_id": "exemplars link to the session"}
     for d in dashboards().values():
         for panel in panels(d):
             if any(t["exemplar"] for t in panel["targets"]):
-                assert "exemplars link to the trace" in panel["title"], panel["title"]
+                labels = {EXEMPLAR_LABELS[f] for t in panel["targets"]
+                          for f in families(t["expr"]) & EXEMPLAR_FAMILIES}
+                (label,) = labels
+                assert leads_to[label] in panel["title"], panel["title"]
+
+
+def test_session_link_variable_defaults_to_the_mlflow_chat_session_view() -> None:
+    """Session judge exemplars carry the session id; MLflow 3 shows a conversation at
+    `#/experiments/<id>/chat-sessions/<session id>` (the route of the UI MLflow 3.17 serves)."""
+    quality = dashboards()["tracejudge-quality.json"]
+    (variable,) = [v for v in quality["templating"]["list"] if v["name"] == "session_url"]
+    (trace,) = [v for v in quality["templating"]["list"] if v["name"] == "trace_url"]
+    default = variable["query"]
+    assert variable["type"] == "textbox" and variable["current"]["value"] == default
+    url, trace_url = httpx.URL(default), httpx.URL(trace["query"])
+    assert (url.host, url.port) == (trace_url.host, trace_url.port)  # the same MLflow as traces
+    experiment = re.fullmatch(r"/experiments/(\d+)/chat-sessions/", url.fragment)
+    assert experiment, url.fragment
+    assert trace_url.fragment.startswith(f"/experiments/{experiment.group(1)}/")
 
 
 def read_by_dashboard() -> dict[str, set[str]]:
@@ -204,6 +231,59 @@ def test_operations_dashboard_has_a_write_back_row() -> None:
                if "tracejudge_sink_lag_records" in t["expr"])
     assert lag.startswith("sum by (sink) (")  # the sum WriteBackLagging alerts on
     assert {"sink"} <= {v["name"] for v in query_variables(operations)}
+
+
+def test_quality_dashboard_has_a_conversations_row() -> None:
+    quality = dashboards()["tracejudge-quality.json"]
+    titles = [p["title"] for p in quality["panels"]]
+    row = titles.index("Conversations (tracejudge sessions)")
+    assert quality["panels"][row]["type"] == "row"
+    below = quality["panels"][row + 1:]
+    assert all(p["type"] != "row" for p in below), "the Conversations row is the last one"
+    read = {f for p in below for t in p["targets"] for f in families(t["expr"])}
+    assert {"tracejudge_sessions_total", "tracejudge_session_turns", "tracejudge_session_duration_seconds",
+            "tracejudge_session_judge_verdicts_total", "tracejudge_session_judge_score",
+            "tracejudge_sessions_open", "tracejudge_session_turns_held", "tracejudge_session_bytes_held",
+            "tracejudge_sessions_closed_early_total", "tracejudge_sessions_reopened_total",
+            "app:tracejudge_user_frustration_unresolved:ratio1h",
+            "app:tracejudge_user_frustration_verdicts:increase1h"} <= read
+    # Turns and duration are histograms: quantiles, not means.
+    for family in ("tracejudge_session_turns", "tracejudge_session_duration_seconds"):
+        exprs = [t["expr"] for p in below for t in p["targets"] if f"{family}_bucket" in t["expr"]]
+        assert exprs and all(e.startswith("histogram_quantile(") for e in exprs), family
+    # The frustration panel shows the share UserFrustrationRising watches, yesterday's, and the number
+    # judged on its own axis.
+    (frustration,) = [p for p in below if p["title"].startswith("Sessions ending unresolved")]
+    exprs = [t["expr"] for t in frustration["targets"]]
+    assert exprs[1] == exprs[0] + " offset 1d"
+    assert exprs[2].startswith("app:tracejudge_user_frustration_verdicts:increase1h")
+    (override,) = frustration["fieldConfig"]["overrides"]
+    assert override["matcher"] == {"id": "byFrameRefID", "options": frustration["targets"][2]["refId"]}
+    assert {"id": "custom.axisPlacement", "value": "right"} in override["properties"]
+    assert {"session_judge"} <= {v["name"] for v in query_variables(quality)}
+
+
+def test_session_pass_rate_counts_unresolved_and_fail_as_not_passed() -> None:
+    quality = dashboards()["tracejudge-quality.json"]
+    (panel,) = [p for p in panels(quality) if p["title"] == "Session judge pass rate"]
+    (expr,) = [t["expr"] for t in panel["targets"]]
+    assert 'verdict!~"fail|unresolved"' in expr
+
+
+def test_operations_dashboard_has_a_session_stage_row() -> None:
+    operations = dashboards()["tracejudge-operations.json"]
+    titles = [p["title"] for p in operations["panels"]]
+    row = titles.index("Session stage (tracejudge sessions)")
+    read = {f for p in operations["panels"][row + 1:] for t in p.get("targets", [])
+            for f in families(t["expr"])}
+    assert {"tracejudge_session_turns_received_total", "tracejudge_session_results_published_total",
+            "tracejudge_session_turns_ignored_total", "tracejudge_session_turns_placed_by_arrival_total",
+            "tracejudge_session_ids_hashed_total"} <= read
+
+
+def test_every_session_metric_is_on_a_dashboard() -> None:
+    shown = set().union(*read_by_dashboard().values())
+    assert set(SESSION_METRICS) <= shown
 
 
 def test_every_contract_metric_is_on_some_dashboard() -> None:

@@ -25,7 +25,7 @@ KUBERNETES_VERSIONS = ["1.29", kubernetes_validate.latest_version()]
 MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
 
 
-EVALUATOR, SINK = "tracejudge", "tracejudge-sink-mlflow"
+EVALUATOR, SINK, SESSIONS = "tracejudge", "tracejudge-sink-mlflow", "tracejudge-sessions"
 
 
 def documents() -> list[dict[str, Any]]:
@@ -218,7 +218,7 @@ def test_configmap_config_passes_tracejudge_check_config(tmp_path: Path) -> None
     assert settings.judges is not None and settings.judges.endpoints["default"].api_key_file
 
 
-@pytest.mark.parametrize("name", [EVALUATOR, SINK])
+@pytest.mark.parametrize("name", [EVALUATOR, SINK, SESSIONS])
 def test_podmonitor_scrapes_the_deployment_pods(name: str) -> None:
     monitor, deployment = resources()["PodMonitor"], deployments()[name]
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
@@ -339,3 +339,78 @@ def test_sink_config_passes_tracejudge_sink_check_config(tmp_path: Path) -> None
                                 if not k.startswith(("TRACEJUDGE_", "MLFLOW_"))})
     assert check.returncode == 0, check.stderr
 
+
+
+# --- the session stage ----------------------------------------------------------------------------------
+
+def sessions_config() -> dict[str, Any]:
+    return yaml.safe_load(resources()["ConfigMap"]["data"]["sessions.yaml"])
+
+
+def sessions_pod() -> dict[str, Any]:
+    return deployments()[SESSIONS]["spec"]["template"]["spec"]
+
+
+def sessions_container() -> dict[str, Any]:
+    (only,) = sessions_pod()["containers"]
+    return only
+
+
+def mebibytes(quantity: str) -> float:
+    units = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024}
+    return float(quantity[:-2]) * units[quantity[-2:]]
+
+
+def test_sessions_runs_the_evaluators_image_as_tracejudge_sessions() -> None:
+    c = sessions_container()
+    assert c["image"] == container()["image"]
+    assert c["command"] == ["tracejudge", "sessions"]
+    assert c["args"] == ["--config", "/etc/tracejudge/config.yaml"]
+    volume = next(v for v in sessions_pod()["volumes"] if v["name"] == "config")
+    assert volume["configMap"] == {"name": resources()["ConfigMap"]["metadata"]["name"],
+                                   "items": [{"key": "sessions.yaml", "path": "config.yaml"}]}
+    (port,) = c["ports"]
+    assert port == {"name": "metrics", "containerPort": sessions_config()["http"]["port"], "protocol": "TCP"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert sessions_pod()["terminationGracePeriodSeconds"] >= 40
+    assert sessions_pod()["securityContext"] == pod_spec()["securityContext"]
+    assert c["securityContext"] == container()["securityContext"]
+    assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+
+
+def test_sessions_reads_the_evaluators_results_and_the_sink_writes_its_results_back() -> None:
+    sessions, evaluator, sink = sessions_config(), config(), sink_config()
+    assert sessions["kafka"]["bootstrap_servers"] == evaluator["kafka"]["bootstrap_servers"]
+    s = sessions["sessions"]
+    assert s["input_topic"] == evaluator["stream"]["results_topic"]
+    assert s["results_topic"] not in {evaluator["stream"]["results_topic"], s["dead_letter_topic"]}
+    assert sink["sink"]["session_results_topic"] == s["results_topic"]
+
+
+def test_sessions_memory_caps_fit_the_pod() -> None:
+    s = sessions_config()["sessions"]
+    limit = mebibytes(sessions_container()["resources"]["limits"]["memory"])
+    # The held turns are estimated, and the runtime and judges need room besides: at most half the limit.
+    assert s["max_bytes_held"] / 2**20 <= limit / 2
+    assert s["max_open_sessions"] <= s["max_turns_held"]
+
+
+def test_sessions_judge_key_comes_from_the_same_secret() -> None:
+    endpoint = sessions_config()["judges"]["endpoints"]["default"]
+    key_file = Path(endpoint["api_key_file"])
+    mount = next(m for m in sessions_container()["volumeMounts"] if m["name"] == "judge-api-key")
+    assert key_file.parent == Path(mount["mountPath"]) and mount["readOnly"] is True
+    volume = next(v for v in sessions_pod()["volumes"] if v["name"] == "judge-api-key")
+    assert volume["secret"]["secretName"] == "tracejudge-judge-api-key"
+    assert {"user_frustration"} <= set(sessions_config()["judges"]["sessions"])
+
+
+def test_sessions_config_passes_tracejudge_sessions_check_config(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(resources()["ConfigMap"]["data"]["sessions.yaml"])
+    check = subprocess.run([sys.executable, "-m", "tracejudge.consumer.cli", "sessions", "--config",
+                            str(path), "--check-config"], capture_output=True, text=True, timeout=60,
+                           env={k: v for k, v in os.environ.items() if not k.startswith("TRACEJUDGE_")})
+    assert check.returncode == 0, check.stderr
+    assert 'sessions.group_id (effective) = "tracejudge-sessions"' in check.stdout

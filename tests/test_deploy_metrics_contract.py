@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
-from support.deploy_files import RUN_METRICS, SINK_METRICS
+from support.deploy_files import RUN_METRICS, SESSION_JUDGE_METRICS, SESSION_STAGE_METRICS, SINK_METRICS
 
 from tracejudge.metrics.assembly_metrics import AssemblyMetrics
 from tracejudge.metrics.judge_metrics import JudgeMetrics
@@ -79,3 +79,48 @@ def test_every_sink_contract_metric_has_an_exporter() -> None:
     runtime = families(SinkMetrics(CollectorRegistry(), "otlp"))
     for kind, real in sink_families().items():
         assert set(SINK_METRICS) <= set(real) | set(runtime), kind
+
+
+def test_the_session_stage_exports_its_contract_metrics_with_their_labels() -> None:
+    from tracejudge.metrics.session_metrics import SessionMetrics
+
+    real = families(SessionMetrics(CollectorRegistry()))
+    for name, family in SESSION_STAGE_METRICS.items():
+        assert name in real, f"{name} is queried by the dashboards/rules but not exported"
+        assert real[name] == (family.type, family.labels), f"{name}: exported as {real[name]}"
+
+
+def test_the_session_judges_export_their_contract_metrics_with_their_labels() -> None:
+    from tracejudge.metrics.session_judges import SessionJudgeMetrics
+
+    real = families(SessionJudgeMetrics(CollectorRegistry()))
+    for name, family in SESSION_JUDGE_METRICS.items():
+        assert name in real, f"{name} is queried by the dashboards/rules but not exported"
+        assert real[name] == (family.type, family.labels), f"{name}: exported as {real[name]}"
+
+
+def test_user_frustration_verdicts_carry_the_values_the_alert_counts() -> None:
+    """UserFrustrationRising counts verdict="unresolved" of judge="user_frustration"; the dashboards
+    count "fail" and "unresolved" as not passed."""
+    from tracejudge.metrics.session_judges import SessionJudgeMetrics
+    from tracejudge.schemas.result import Assessment
+
+    registry = CollectorRegistry()
+    metrics = SessionJudgeMetrics(registry)
+    for value, score in (("none", 1.0), ("resolved", 0.5), ("unresolved", 0.0)):
+        assessment = Assessment(name="user_frustration", value=value, score=score,
+                                passed=value != "unresolved")
+        metrics.observe_session_verdict("shop", "user_frustration", assessment, "conv-1")
+    metrics.observe_session_verdict("shop", "conversation_completeness",
+                                    Assessment(name="conversation_completeness", value="no", passed=False),
+                                    "conv-1")
+    sample = registry.get_sample_value
+    for value in ("none", "resolved", "unresolved"):
+        assert sample("tracejudge_session_judge_verdicts_total",
+                      {"app": "shop", "judge": "user_frustration", "verdict": value}) == 1
+    assert sample("tracejudge_session_judge_verdicts_total",
+                  {"app": "shop", "judge": "conversation_completeness", "verdict": "fail"}) == 1
+    # The exemplar label the Grafana datasource links to the session view (`session_id`).
+    exemplars = [s.exemplar for m in registry.collect() if m.name == "tracejudge_session_judge_score"
+                 for s in m.samples if s.exemplar is not None]
+    assert exemplars and {e.labels["session_id"] for e in exemplars} == {"conv-1"}

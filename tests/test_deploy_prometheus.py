@@ -52,9 +52,10 @@ def test_rule_file_passes_promtool_check() -> None:
     assert f"SUCCESS: {sum(len(g['rules']) for g in rule_groups())} rules found" in result.stdout
 
 
-def test_the_six_alerts_exist_with_severity_and_annotations() -> None:
+def test_the_seven_alerts_exist_with_severity_and_annotations() -> None:
     assert sorted(ALERT_NAMES) == sorted(["GroundednessDropped", "JudgeErrorsHigh", "EvaluationsMissing",
-                                          "ConsumerLagHigh", "DeadLettersRising", "WriteBackLagging"])
+                                          "ConsumerLagHigh", "DeadLettersRising", "WriteBackLagging",
+                                          "UserFrustrationRising"])
     for alert in alerts():
         name = alert["alert"]
         assert alert["labels"]["severity"] in ("critical", "warning"), name
@@ -87,7 +88,7 @@ def test_greater_or_equal_is_reserved_for_minimum_volume_guards() -> None:
     text = RULES.read_text()
     assert "<=" not in text
     guards = [line for line in text.splitlines() if ">=" in line and not line.lstrip().startswith("#")]
-    assert len(guards) == 6
+    assert len(guards) == 9
     for line in guards:
         assert "increase" in line, f"`>=` used on something that is not a volume count: {line.strip()}"
 
@@ -133,6 +134,7 @@ def mutated_run(tmp_path: Path, alert: str, old: str, new: str) -> subprocess.Co
     ("JudgeErrorsHigh", ">= 20"),
     ("EvaluationsMissing", ">= 50"),
     ("DeadLettersRising", ">= 20"),
+    ("UserFrustrationRising", ">= 20"),
 ])
 def test_dropping_a_minimum_volume_guard_fails_its_unit_test(tmp_path: Path, alert: str, guard: str) -> None:
     result = mutated_run(tmp_path, alert, guard, ">= 0")
@@ -150,6 +152,32 @@ def test_groundedness_fires_without_a_baseline_is_tested(tmp_path: Path) -> None
     # Inverting the "no usable baseline" branch silences brand-new apps: the unit test must notice.
     result = mutated_run(tmp_path, "GroundednessDropped", "unless on (app, judge)", "and on (app, judge)")
     assert result.returncode != 0 and 'app="fresh"' in result.stdout + result.stderr
+
+
+def test_user_frustration_relative_rise_is_tested(tmp_path: Path) -> None:
+    # Without the comparison with yesterday, chronic (40% both days) pages on day 2 as well.
+    result = mutated_run(tmp_path, "UserFrustrationRising", "1.5 * (", "0 * (")
+    assert result.returncode != 0 and 'app="chronic"' in result.stdout + result.stderr
+
+
+def test_user_frustration_fires_without_a_baseline_is_tested(tmp_path: Path) -> None:
+    # Inverting the "no usable baseline" branch silences a new app: fresh must then be missed.
+    result = mutated_run(tmp_path, "UserFrustrationRising", "unless on (app)", "and on (app)")
+    assert result.returncode != 0 and 'app="fresh"' in result.stdout + result.stderr
+
+
+def test_user_frustration_floor_is_tested(tmp_path: Path) -> None:
+    # Without the 20% floor, lowfloor (5% -> 15%, tripled) pages.
+    result = mutated_run(tmp_path, "UserFrustrationRising", "ratio1h > 0.2", "ratio1h > 0")
+    assert result.returncode != 0 and 'app="lowfloor"' in result.stdout + result.stderr
+
+
+def test_user_frustration_reads_only_the_user_frustration_judge() -> None:
+    recorded = {r["record"]: r["expr"] for g in rule_groups() for r in g["rules"] if "record" in r}
+    for name in ("app:tracejudge_user_frustration_verdicts:increase1h",
+                 "app:tracejudge_user_frustration_unresolved:ratio1h"):
+        assert 'tracejudge_session_judge_verdicts_total{judge="user_frustration"' in recorded[name], name
+    assert 'verdict="unresolved"' in recorded["app:tracejudge_user_frustration_unresolved:ratio1h"]
 
 
 def test_write_back_lag_summed_over_replicas_is_tested(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 from kafka import KafkaProducer
-from support.deploy_files import RULES, SINK_METRICS, deploy_module, family_of
+from support.deploy_files import RULES, SESSION_METRICS, SINK_METRICS, deploy_module, family_of, rule_groups
 from support.kafka import RunnerProcess, agent_traces, shared_broker, unique
 from support.openai_stub import OpenAIStub, Reply, StubRequest
 from support.otel_producers import Producer, genai_trace, kafka_messages
@@ -127,14 +127,28 @@ def runner_config(path: Path, stub: OpenAIStub, topics: tuple[str, str], dead_le
     return path
 
 
+def not_exported_here() -> set[str]:
+    """The series no process of this test exports: `tracejudge sink` and `tracejudge sessions`
+    metrics (neither runs here), and the recording rules computed from them."""
+    promql = deploy_module("grafana/promql.py")
+    out = set(SINK_METRICS) | set(SESSION_METRICS)
+    for group in rule_groups():
+        for rule in group["rules"]:
+            if "record" in rule and {family_of(n) for n in promql.metric_names(rule["expr"])} & out:
+                out.add(rule["record"])
+    return out
+
+
 def dashboard_queries() -> dict[str, str]:
     """Every dashboard panel query of `tracejudge run`'s metrics, variables filled and the one-day
-    offset shortened. The write-back panels read `tracejudge sink` metrics; no sink runs here."""
+    offset shortened. The write-back and conversation panels read `tracejudge sink` and `tracejudge
+    sessions` metrics; neither runs here."""
     promql, shorten = deploy_module("grafana/promql.py"), deploy_module("prometheus/shorten.py")
+    skip = not_exported_here()
     return {f"{q.dashboard} / {q.panel} / {q.ref_id}":
             shorten.shorten_expr(q.resolved(RATE_INTERVAL), DASHBOARD_CLOCK)
             for q in promql.all_queries()
-            if not {family_of(n) for n in promql.metric_names(q.expr)} & set(SINK_METRICS)}
+            if not {family_of(n) or n for n in promql.metric_names(q.expr)} & skip}
 
 
 def groundedness(prom: PrometheusServer) -> float | None:

@@ -35,6 +35,10 @@ RATE = "$__rate_interval"
 # it in the experiment's Traces tab with `selectedEvaluationId`; the trace is fetched by its id, so
 # experiment 0 (where the compose collector sends OTLP traces) works as the page behind the drawer.
 MLFLOW_TRACE_URL = "http://localhost:5000/#/experiments/0/traces?selectedEvaluationId=tr-"
+# The session UI's address up to the session id, which the `session_id` exemplar link appends (the
+# exemplar of tracejudge_session_judge_score). MLflow 3 shows a conversation, its turns and their
+# assessments at `#/experiments/<id>/chat-sessions/<session id>` (the id of `mlflow.trace.session`).
+MLFLOW_SESSION_URL = "http://localhost:5000/#/experiments/0/chat-sessions/"
 
 Json = dict[str, Any]
 
@@ -77,13 +81,27 @@ def trace_url_variable(default: str = MLFLOW_TRACE_URL) -> Json:
     }
 
 
+def session_url_variable(default: str = MLFLOW_SESSION_URL) -> Json:
+    """A textbox like `trace_url`, for the `session_id` exemplars of the session judge scores
+    (datasource destination `${session_url:raw}${__value.raw}`)."""
+    return {
+        "name": "session_url", "label": "Session link (URL before the session id)", "type": "textbox",
+        "query": default, "current": {"selected": False, "text": default, "value": default},
+        "options": [{"selected": True, "text": default, "value": default}],
+        "hide": 0, "skipUrlSync": False,
+        "description": "Session judge exemplar dots link to <this URL><session id>. MLflow: <mlflow>/#/"
+                       "experiments/<id>/chat-sessions/ . See README, From an exemplar to the trace.",
+    }
+
+
 def target(expr: str, legend: str, *, exemplar: bool = False, fmt: str = "time_series") -> Json:
     return {"datasource": DATASOURCE, "expr": expr, "legendFormat": legend, "range": True,
             "instant": False, "exemplar": exemplar, "format": fmt, "editorMode": "code"}
 
 
 def timeseries(title: str, description: str, targets: Sequence[Json], *, unit: str = "short",
-               ratio: bool = False, stack: bool = False, width: int = 12) -> Json:
+               ratio: bool = False, stack: bool = False, width: int = 12,
+               overrides: Sequence[Json] = ()) -> Json:
     defaults: Json = {"unit": "percentunit" if ratio else unit,
                       "custom": {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 20 if stack else 0,
                                  "showPoints": "never", "spanNulls": False,
@@ -91,7 +109,7 @@ def timeseries(title: str, description: str, targets: Sequence[Json], *, unit: s
     if ratio:
         defaults.update(min=0, max=1)
     return {"type": "timeseries", "title": title, "description": description, "datasource": DATASOURCE,
-            "targets": list(targets), "fieldConfig": {"defaults": defaults, "overrides": []},
+            "targets": list(targets), "fieldConfig": {"defaults": defaults, "overrides": list(overrides)},
             "options": {"legend": {"displayMode": "table", "placement": "bottom", "showLegend": True,
                                    "calcs": ["lastNotNull", "mean"]},
                         "tooltip": {"mode": "multi", "sort": "desc"}},
@@ -107,6 +125,14 @@ def heatmap(title: str, description: str, expr: str, *, width: int = 12) -> Json
                         "tooltip": {"mode": "single", "yHistogram": True},
                         "exemplars": {"color": "rgba(255,0,255,0.7)"}},
             "_width": width}
+
+
+def right_axis(ref_id: str, unit: str) -> Json:
+    """An override putting one query's series on a right-hand axis with its own unit (e.g. a count
+    beside a ratio)."""
+    return {"matcher": {"id": "byFrameRefID", "options": ref_id},
+            "properties": [{"id": "unit", "value": unit},
+                           {"id": "custom.axisPlacement", "value": "right"}]}
 
 
 def row(title: str) -> Json:
@@ -151,6 +177,9 @@ def dashboard(uid: str, title: str, description: str, variables: Sequence[Json],
 
 # --- PromQL helpers (one spelling for each kind of query) ---------------------------------------------
 
+# Session verdicts that passed: all but user_frustration's "unresolved" and a pass/fail judge's "fail".
+PASSED_VERDICTS = 'verdict!~"fail|unresolved"'
+
 def sum_rate(metric: str, by: str, sel: str = "") -> str:
     """Per-second rate of a counter, summed by some labels."""
     grouping = f" by ({by}) " if by else ""
@@ -174,9 +203,12 @@ def quality() -> Json:
     pair = "{{app}} · {{judge}}"
     return dashboard(
         "tracejudge-quality", "tracejudge / Quality",
-        "LLM-as-judge verdicts and computed metrics per app: pass rates, scores, coverage, judge health.",
+        "LLM-as-judge verdicts and computed metrics per app: pass rates, scores, coverage, judge health; "
+        "conversations: sessions, session judges, frustration.",
         [label_variable("app", "app", "tracejudge_judge_verdicts_total"),
          label_variable("judge", "judge", 'tracejudge_judge_verdicts_total{app=~"$app"}'),
+         label_variable("session_judge", "judge", 'tracejudge_session_judge_verdicts_total{app=~"$app"}'),
+         session_url_variable(),
          trace_url_variable()],
         [
             row("Pass rate"),
@@ -232,7 +264,94 @@ def quality() -> Json:
                        "JudgeErrorsHigh fires above 10% with at least 20 calls in 15 minutes.",
                        [target(f"judge:tracejudge_judge_errors:ratio15m{{{judge_only}}}", "{{judge}}")],
                        ratio=True),
+            *conversations(),
         ])
+
+
+def conversations() -> list[Json]:
+    """The Conversations row of the quality dashboard: `tracejudge sessions` and its session judges."""
+    app, sel, judge_only = 'app=~"$app"', 'app=~"$app", judge=~"$session_judge"', 'judge=~"$session_judge"'
+    verdicts = "tracejudge_session_judge_verdicts_total"
+    pair = "{{app}} · {{judge}}"
+    # `or ... * 0` reads 0% for a judge none of whose verdicts passed.
+    all_verdicts = sum_rate(verdicts, "app, judge", sel)
+    passed = (f'({sum_rate(verdicts, "app, judge", sel + ", " + PASSED_VERDICTS)} or {all_verdicts} * 0)'
+              f" / {all_verdicts}")
+    unresolved = f"app:tracejudge_user_frustration_unresolved:ratio1h{{{app}}}"
+    return [
+        row("Conversations (tracejudge sessions)"),
+        timeseries("Sessions closed per minute by status",
+                   "Sessions the session stage closed: complete (inactivity, end of input) or incomplete "
+                   "(max_turns, max_duration_s, or closed early at a memory cap).",
+                   [target("60 * " + sum_rate("tracejudge_sessions_total", "app, status", app),
+                           "{{app}} · {{status}}")],
+                   stack=True),
+        timeseries("Turns per session p50 / p90",
+                   "Turns of the sessions closed in the window (tracejudge_session_turns).",
+                   [target(quantile(q, "tracejudge_session_turns", "app", app),
+                           f"p{round(q * 100)} {{{{app}}}}") for q in (0.5, 0.9)]),
+        timeseries("Session duration p50 / p90",
+                   "First turn to last turn of the sessions closed in the window.",
+                   [target(quantile(q, "tracejudge_session_duration_seconds", "app", app),
+                           f"p{round(q * 100)} {{{{app}}}}") for q in (0.5, 0.9)],
+                   unit="s"),
+        timeseries("Sessions ending unresolved (user_frustration, 1h) vs yesterday",
+                   "Share of the judged sessions the user_frustration judge found ending with the user "
+                   "frustrated and unresolved, with the number judged (right axis). UserFrustrationRising: "
+                   "over 20% on at least 20 sessions and over 1.5 times the same hour yesterday.",
+                   [target(unresolved, "{{app}} unresolved"),
+                    target(unresolved + " offset 1d", "{{app}} unresolved yesterday"),
+                    target(f"app:tracejudge_user_frustration_verdicts:increase1h{{{app}}}",
+                           "{{app}} sessions judged")],
+                   unit="percentunit", overrides=[right_axis("C", "short")]),
+        timeseries("Session judge pass rate",
+                   "Share of session verdicts that passed (user_frustration: not unresolved).",
+                   [target(passed, pair)], ratio=True),
+        timeseries("Session verdicts per minute",
+                   "Session judge verdicts by value: a pass rate over few sessions is noise.",
+                   [target("60 * " + sum_rate(verdicts, "app, judge, verdict", sel),
+                           pair + " · {{verdict}}")],
+                   stack=True),
+        timeseries("Session judge score p10 / p50 (exemplars link to the session)",
+                   "Each dot is one judged session at its score: hover it and open the conversation, its "
+                   "turns and the verdicts written back (the session_url variable sets where).",
+                   [target(quantile(q, "tracejudge_session_judge_score", "judge", sel), f"p{round(q * 100)} "
+                           "{{judge}}", exemplar=True) for q in (0.1, 0.5)],
+                   unit="none"),
+        timeseries("Session judge coverage (sampled / eligible)",
+                   "Share of the closed sessions each session judge could judge that were sampled.",
+                   [target(f'{sum_rate("tracejudge_session_judge_sampled_total", "judge", judge_only)}'
+                           f' / {sum_rate("tracejudge_session_judge_eligible_total", "judge", judge_only)}',
+                           "{{judge}}")],
+                   ratio=True),
+        timeseries("Session judge skips and errors by reason",
+                   "Sampled sessions not judged (budget, overloaded, ...) and judgements without a verdict.",
+                   [target(sum_rate("tracejudge_session_judge_skipped_total", "judge, reason", judge_only),
+                           "skipped {{judge}} · {{reason}}"),
+                    target(sum_rate("tracejudge_session_judge_errors_total", "judge, reason", judge_only),
+                           "error {{judge}} · {{reason}}")],
+                   unit="reqps"),
+        timeseries("Sessions closed early and reopened per minute",
+                   "Closed early: at max_turns, max_duration or evicted at a memory cap (then incomplete). "
+                   "Reopened: a late turn for a remembered closed session, evaluated again. Forgotten: no "
+                   "longer remembered, so a later turn starts a new session (evaluation 1).",
+                   [target("60 * " + sum_rate("tracejudge_sessions_closed_early_total", "reason"),
+                           "closed early · {{reason}}"),
+                    target("60 * " + sum_rate("tracejudge_sessions_reopened_total", ""), "reopened"),
+                    target("60 * " + sum_rate("tracejudge_sessions_forgotten_total", "reason"),
+                           "forgotten · {{reason}}")]),
+        timeseries("Open sessions and turns held",
+                   "Sessions waiting for more turns and the turns they hold, over all session-stage "
+                   "replicas (caps: sessions.max_open_sessions, sessions.max_turns_held), and the closed "
+                   "sessions remembered so a late turn reopens them (sessions.max_closed_sessions).",
+                   [target("sum(tracejudge_sessions_open)", "open sessions"),
+                    target("sum(tracejudge_session_turns_held)", "turns held"),
+                    target("sum(tracejudge_sessions_remembered)", "closed sessions remembered")]),
+        timeseries("Bytes held by open sessions",
+                   "Memory of the held turns, over all replicas (cap per replica: sessions.max_bytes_held).",
+                   [target("sum(tracejudge_session_bytes_held)", "bytes held")],
+                   unit="bytes"),
+    ]
 
 
 def operations() -> Json:
@@ -242,7 +361,7 @@ def operations() -> Json:
     return dashboard(
         "tracejudge-operations", "tracejudge / Operations",
         "Traffic, latency, tokens and failures of the evaluated agents; judge cost; Kafka consumption; "
-        "writing verdicts back onto traces (tracejudge sink).",
+        "writing verdicts back onto traces (tracejudge sink); the session stage (tracejudge sessions).",
         [label_variable("app", "app", traces),
          label_variable("topic", "topic", "tracejudge_records_total"),
          label_variable("judge", "judge", "tracejudge_judge_duration_seconds_count"),
@@ -347,6 +466,33 @@ def operations() -> Json:
                        "One batch per partition per checkpoint, committed after it is written: flat "
                        "while the lag grows means the sink is stuck.",
                        [target(sum_rate("tracejudge_sink_batches_total", "sink", sink), "{{sink}}")],
+                       unit="reqps"),
+            row("Session stage (tracejudge sessions)"),
+            timeseries("Turns in, session results out",
+                       "Trace results taken into sessions, and session results the broker acknowledged "
+                       "(only then are the turns' offsets committed): turns flowing while no result "
+                       "comes out means sessions never close.",
+                       [target(sum_rate("tracejudge_session_turns_received_total", ""), "turns"),
+                        target(sum_rate("tracejudge_session_results_published_total", ""),
+                               "session results published")],
+                       unit="reqps"),
+            timeseries("Results not taken into a session, by reason",
+                       "no_session: the trace has no session id (released at once: single-turn traffic); "
+                       "session_result: a session result line; duplicate: a turn the session already holds "
+                       "(a redelivery).",
+                       [target(sum_rate("tracejudge_session_turns_ignored_total", "reason"), "{{reason}}")],
+                       unit="reqps"),
+            timeseries("Session dead letters by reason",
+                       "Results-topic records the session stage cannot read (not a result, a newer schema "
+                       "version), sent to sessions.dead_letter_topic.",
+                       [target(sum_rate("tracejudge_session_dead_letters_total", "reason"), "{{reason}}")],
+                       unit="reqps"),
+            timeseries("Turns placed by arrival, session ids hashed",
+                       "Turns whose timestamp was missing or absurd (far future, before 2000), placed by "
+                       "their arrival time instead; session ids over 256 bytes, hashed into the key.",
+                       [target(sum_rate("tracejudge_session_turns_placed_by_arrival_total", "reason"),
+                               "placed by arrival · {{reason}}"),
+                        target(sum_rate("tracejudge_session_ids_hashed_total", ""), "session ids hashed")],
                        unit="reqps"),
         ])
 

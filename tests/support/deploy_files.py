@@ -3,7 +3,8 @@
 `deploy/` is not a Python package (it ships YAML/JSON plus a few scripts), so its scripts are loaded
 from their paths here. `METRICS` is the list of metric families the dashboards and rules may query:
 the public contract of tracejudge's /metrics (tests check the exporters really export each of them):
-`RUN_METRICS` from `tracejudge run`, `SINK_METRICS` from `tracejudge sink <kind>`.
+`RUN_METRICS` from `tracejudge run`, `SINK_METRICS` from `tracejudge sink <kind>`, `SESSION_METRICS`
+from `tracejudge sessions` (the stage's and its session judges').
 """
 
 from __future__ import annotations
@@ -134,7 +135,56 @@ SINK_METRICS: dict[str, Family] = {
     "tracejudge_sink_dead_letters_total": Family("counter", ("sink", "reason"),
                                                  "Results-topic records the sink dead-lettered, by reason."),
 }
-METRICS: dict[str, Family] = {**RUN_METRICS, **SINK_METRICS}
+
+# Exported by `tracejudge sessions` (the session stage, metrics/session_metrics.py, and its session
+# judges, metrics/session_judges.py), not by `tracejudge run` (which exports the hashed-id counter too).
+SESSION_STAGE_METRICS: dict[str, Family] = {
+    "tracejudge_sessions_total": Family("counter", ("app", "status"),
+                                        "Closed sessions; status complete or incomplete."),
+    "tracejudge_session_turns": Family("histogram", ("app",), "Turns per closed session."),
+    "tracejudge_session_duration_seconds": Family("histogram", ("app",),
+                                                  "First turn to last turn of a closed session."),
+    "tracejudge_sessions_open": Family("gauge", (), "Sessions held open, waiting for more turns."),
+    "tracejudge_session_turns_held": Family("gauge", (), "Turns held in memory by open sessions."),
+    "tracejudge_session_bytes_held": Family("gauge", (), "Bytes of turns held by open sessions."),
+    "tracejudge_sessions_remembered": Family("gauge", (), "Closed sessions remembered for reopening."),
+    "tracejudge_sessions_closed_early_total": Family("counter", ("reason",),
+                                                     "Sessions closed before inactivity, by reason."),
+    "tracejudge_sessions_reopened_total": Family("counter", (),
+                                                 "Closed sessions a late turn reopened (evaluated again)."),
+    "tracejudge_sessions_forgotten_total": Family("counter", ("reason",),
+                                                  "Remembered closed sessions forgotten, by reason."),
+    # Not `tracejudge_session_turns_total`: it would collide with the `tracejudge_session_turns` histogram.
+    "tracejudge_session_turns_received_total": Family("counter", (),
+                                                      "Turns (trace results) taken into sessions."),
+    "tracejudge_session_turns_placed_by_arrival_total": Family(
+        "counter", ("reason",), "Turns whose timestamp was missing or absurd, placed by arrival."),
+    "tracejudge_session_turns_ignored_total": Family("counter", ("reason",),
+                                                     "Results not taken into a session, by reason."),
+    "tracejudge_session_ids_hashed_total": Family("counter", (),
+                                                  "Session ids over 256 bytes, hashed into the key."),
+    "tracejudge_session_results_published_total": Family("counter", (),
+                                                         "Session result lines the broker acknowledged."),
+    "tracejudge_session_dead_letters_total": Family("counter", ("reason",),
+                                                    "Records the stage cannot read, by reason."),
+}
+SESSION_JUDGE_METRICS: dict[str, Family] = {
+    "tracejudge_session_judge_verdicts_total": Family(
+        "counter", ("app", "judge", "verdict"),
+        "Session judge verdicts; user_frustration: none, resolved or unresolved."),
+    "tracejudge_session_judge_score": Family("histogram", ("app", "judge"),
+                                             "Session judge scores in [0, 1]; session_id exemplar."),
+    "tracejudge_session_judge_eligible_total": Family("counter", ("judge",),
+                                                      "Sessions a session judge could judge."),
+    "tracejudge_session_judge_sampled_total": Family("counter", ("judge",),
+                                                     "Eligible sessions chosen by the sample."),
+    "tracejudge_session_judge_skipped_total": Family("counter", ("judge", "reason"),
+                                                     "Sampled sessions not judged, by reason."),
+    "tracejudge_session_judge_errors_total": Family("counter", ("judge", "reason"),
+                                                    "Session judgements that gave no verdict, by reason."),
+}
+SESSION_METRICS: dict[str, Family] = {**SESSION_STAGE_METRICS, **SESSION_JUDGE_METRICS}
+METRICS: dict[str, Family] = {**RUN_METRICS, **SINK_METRICS, **SESSION_METRICS}
 
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
