@@ -20,7 +20,8 @@ import msgspec
 
 from tracejudge.schemas.trace import Document, TokenUsage
 
-__all__ = ["Document", "EvalRecord", "TokenUsage", "ToolCall", "python_json", "with_valid_text"]
+__all__ = ["Cost", "Document", "EvalRecord", "HumanLabel", "TokenUsage", "ToolCall", "python_json",
+           "with_valid_text"]
 
 
 class ToolCall(msgspec.Struct, gc=False):
@@ -28,6 +29,27 @@ class ToolCall(msgspec.Struct, gc=False):
 
     tool_name: str
     tool_input: Any = None
+
+
+class HumanLabel(msgspec.Struct, gc=False):
+    """A person's verdict for one judge on this record (MLflow `HUMAN` feedback of the judge's name, a
+    labels file or topic): `value` is "pass"/"fail", a bool, or a number (a score). Schema 4."""
+
+    name: str
+    value: Any
+    source: str | None = None
+    source_id: str | None = None
+
+
+class Cost(msgspec.Struct, gc=False):
+    """What a trace cost the agent, in `currency` (USD): `source` says where it came from: "stated"
+    (the trace says so), "priced" (tokens x the model's price), "unknown". Schema 4."""
+
+    input: float | None = None
+    output: float | None = None
+    total: float | None = None
+    currency: str = "USD"
+    source: str = "unknown"
 
 
 class EvalRecord(msgspec.Struct):
@@ -66,6 +88,12 @@ class EvalRecord(msgspec.Struct):
     # the tag `stream.session_tag` names); None when absent, never guessed. Schema 3.
     session_id: str | None = None
     user_id: str | None = None
+    # People's verdicts on this record, per judge name (MLflow HUMAN feedback on the trace). Schema 4.
+    human_labels: list[HumanLabel] | None = None
+    # Token usage per model ("gpt-4o-mini" -> usage) when the trace names the models of its calls, and
+    # the trace's cost. Schema 4.
+    model_usage: dict[str, TokenUsage] | None = None
+    cost: Cost | None = None
 
 
 _CHECK = msgspec.json.Encoder(enc_hook=str)

@@ -38,7 +38,9 @@ _ENCODER = msgspec.json.Encoder(enc_hook=str)
 # `judge`, `span_id`, `input_tokens`, `output_tokens`, `sample_rate`. 3: `session_id`, `user_id`; a
 # result of a turn of a session is keyed by its session id on the results topic; session result lines
 # (`"kind": "session"`, `tracejudge.schemas.session`) on the session results topic.
-SCHEMA_VERSION = 3
+# 4: the record's `human_labels`, `model_usage`, `cost`; each assessment's `shadow_of`, `cost_usd`,
+# `redacted`; the result's `backfill`.
+SCHEMA_VERSION = 4
 _VERSION_PREFIX = b'{"schema_version":%d,' % SCHEMA_VERSION
 
 # The source formats whose trace MLflow stores under "tr-" + the 32-hex OpenTelemetry trace id: MLflow 3
@@ -116,6 +118,12 @@ class Assessment:
     input_tokens: int | None = None
     output_tokens: int | None = None
     sample_rate: float | None = None
+    # Schema 4. The judge a shadow (candidate) judge may replace: its verdicts are published, never
+    # exported as quality. The judgement's cost in USD (usage x the judge model's price). True when the
+    # judge saw redacted text (personal data replaced by typed placeholders before it left the process).
+    shadow_of: str | None = None
+    cost_usd: float | None = None
+    redacted: bool | None = None
 
 
 @dataclass(slots=True)
@@ -131,6 +139,16 @@ class SourceRef:
 
 
 @dataclass(slots=True)
+class Backfill:
+    """Marks a result of `tracejudge backfill`: the run's id and the time range it re-judged (seconds
+    since the epoch; `end` None: up to when the run started). Schema 4."""
+
+    run: str
+    start: float
+    end: float | None = None
+
+
+@dataclass(slots=True)
 class EvaluationResult:
     record: EvalRecord
     source: SourceRef
@@ -138,6 +156,7 @@ class EvaluationResult:
     metrics: dict[str, float | None] = field(default_factory=dict)
     metric_errors: dict[str, str] = field(default_factory=dict)
     assessments: list[Assessment] = field(default_factory=list)
+    backfill: Backfill | None = None
 
     @classmethod
     def from_dict(cls, line: Mapping[str, Any]) -> EvaluationResult:
@@ -155,6 +174,7 @@ class EvaluationResult:
             metrics=dict(line.get("metrics") or {}),
             metric_errors=msgspec.convert(line.get("metric_errors") or {}, dict[str, str]),
             assessments=msgspec.convert(line.get("assessments") or [], list[Assessment]),
+            backfill=msgspec.convert(line["backfill"], Backfill) if line.get("backfill") else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -173,8 +193,11 @@ class EvaluationResult:
         return b"".join((_VERSION_PREFIX, memoryview(head)[1:-1], b",", memoryview(tail)[1:]))
 
     def _tail(self) -> dict[str, Any]:
-        return {"mlflow_trace_id": mlflow_trace_id(self.record), "source": self.source,
+        tail = {"mlflow_trace_id": mlflow_trace_id(self.record), "source": self.source,
                 "metrics": self.metrics, "metric_errors": self.metric_errors, "assessments": self.assessments}
+        if self.backfill is not None:
+            tail["backfill"] = self.backfill
+        return tail
 
     @property
     def mlflow_trace_id(self) -> str | None:
