@@ -11,6 +11,10 @@ behind timeouts.
 
 Secrets: the API key is sent in a header and never logged; prompts are never logged; endpoint error
 text that reaches a result or a log is truncated and has any secret value masked.
+
+Redaction: this client is the one egress point for production text, so with a `redactor` every chat
+message and embeddings input passes the judgement's `Redaction` session (tracejudge.metrics.redaction)
+before the request body is built; a text with nothing to replace is sent byte for byte as it was.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +33,7 @@ import httpx
 import orjson
 
 from tracejudge.metrics.judge_config import EndpointConfig
+from tracejudge.metrics.redaction import Redaction, RedactionError, Redactor, current_redaction
 
 __all__ = ["ChatResult", "CircuitBreaker", "EmbeddingResult", "JudgeCallError", "JudgeClient", "Permit"]
 
@@ -215,8 +220,11 @@ class JudgeClient:
         on_request: Callable[[str, str], None] | None = None,
         on_breaker_change: Callable[[str, bool], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        redactor: Redactor | None = None,
     ):
         self.name = name
+        # Every chat message and embeddings input passes it before a request body is built.
+        self._redactor = redactor
         self.config = config
         self._api_key = api_key
         self._extra_headers = dict(extra_headers or {})
@@ -422,6 +430,7 @@ class JudgeClient:
         """One chat completion. With `structured`, ask for JSON (schema-constrained where the endpoint
         supports it); the endpoint's first refusal of a format steps this client down to the next."""
         c = self.config
+        messages = self._redacted(messages)
         requests = 0
         while True:
             fmt = self._format if structured else "none"
@@ -475,7 +484,8 @@ class JudgeClient:
             raise JudgeCallError(
                 "invalid_response", f"endpoint {self.name!r} has no embedding_model", attempted=False
             )
-        data, made = await self._post(c.embeddings_path, {"model": c.embedding_model, "input": list(texts)})
+        texts = self._redacted_texts(texts)
+        data, made = await self._post(c.embeddings_path, {"model": c.embedding_model, "input": texts})
         items = data.get("data")
         if not isinstance(items, list) or len(items) != len(texts):
             raise JudgeCallError(
@@ -492,6 +502,30 @@ class JudgeClient:
             raise JudgeCallError("invalid_response", "embeddings of different or zero length", requests=made)
         usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
         return EmbeddingResult(vectors, _int(usage.get("prompt_tokens")), made)
+
+    def _session(self) -> Redaction | None:
+        """The judgement's redaction session (tracejudge.metrics.redaction), else one for this call."""
+        if self._redactor is None:
+            return None
+        return current_redaction() or self._redactor.session()
+
+    def _redacted(self, messages: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:
+        session = self._session()
+        if session is None:
+            return messages
+        try:
+            return session.messages(messages)
+        except RedactionError as exc:  # never send the text unredacted
+            raise JudgeCallError("internal", str(exc), attempted=False) from None
+
+    def _redacted_texts(self, texts: Sequence[str]) -> list[str]:
+        session = self._session()
+        if session is None:
+            return list(texts)
+        try:
+            return session.texts(texts)
+        except RedactionError as exc:
+            raise JudgeCallError("internal", str(exc), attempted=False) from None
 
     async def aclose(self) -> None:
         pools, self._pools = self._pools, []

@@ -1,0 +1,198 @@
+"""What redaction before egress costs: CPU per judged record with and without it, in one run.
+
+The endpoint is the OpenAI-compatible stub of the tests (tests/support/openai_stub.py) in its own
+process, answering at once (`--delay 0`), so the judge side's CPU is all this process measures. Each
+record is judged by four model judges (relevance_to_query, safety, correctness and a custom judge whose
+prompt holds request, context and response): four Chat Completions calls, prompts of ~2-3 KB. Half the
+records carry personal data (an e-mail address, a phone number, a card number, an IBAN, an API key),
+half only ordinary numbers (years, prices, order ids), as production traffic mixes both.
+
+Two measures, in the same run:
+
+  in-line   the CPU spent inside the redactor (`time.thread_time()` around every `Redaction.text`
+            call, on the runner's loop thread where it runs) during the judged rounds, per record,
+            against the rest of the record's judging CPU (`time.process_time()`, all threads);
+  A/B       rounds alternating `redaction: {enabled: true}` (the default) and `{enabled: false}`
+            (which goes first alternates too), median CPU per record each way. Whole-process CPU
+            between two runners varies by about 5% on a shared machine (an A/A run shows it), so this
+            is the cross-check and the in-line share is the figure.
+
+Target: redaction adds under 10% to the record's judging CPU.
+
+    python bench/bench_redaction.py                      # 6 rounds x 400 records each way
+    python bench/bench_redaction.py --records 1000 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from tracejudge.metrics.judging import JudgeRunner
+from tracejudge.metrics.redaction import Redaction, Redactor
+from tracejudge.schemas.record import Document, EvalRecord
+
+ROOT = Path(__file__).resolve().parents[1]
+
+POLICY = (
+    "Items bought in 2024 can be returned within 30 days of delivery for a full refund of the price "
+    "paid (for example $1,299.99 or 24.50 EUR), provided they are unused and in their original box. "
+    "Refunds are issued to the original payment method within 5-7 business days; 95% arrive within "
+    "72 hours. Order 20240512-0042 and similar ids can be looked up in the portal, version 3.12.1. "
+)
+
+
+def records(n: int) -> list[EvalRecord]:
+    out = []
+    for i in range(n):
+        pii = i % 2 == 0
+        who = f"Customer maria.lopez{i}@example.org, +44 20 7946 {i % 10000:04d}, " if pii else ""
+        pay = "card 4111 1111 1111 1111, IBAN DE89 3704 0044 0532 0130 00, " if pii else ""
+        key = " My key sk-proj-Ab3dEf6hIj9kLm2nOp5qRs8tUv1wXy4z leaked." if pii else ""
+        out.append(
+            EvalRecord(
+                trace_id=f"{i:032x}",
+                app="shop",
+                failed=False,
+                request=f"{who}question {i}: can I return order 4532015112830367 bought in 2024?{key}",
+                response=f"{who}yes: {POLICY}",
+                expected_response="Yes, within 30 days of delivery.",
+                retrieved_context=[
+                    Document(POLICY * 2, "kb://returns"),
+                    Document(f"{who}{pay}account history: orders {i}, {i + 1}, {i + 2}. " + POLICY, "crm://1"),
+                ],
+            )
+        )
+    return out
+
+
+def start_endpoint() -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "support" / "openai_stub.py"), "--delay", "0"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    port = int(proc.stdout.readline())
+    return proc, f"http://127.0.0.1:{port}/v1"
+
+
+def config(url: str, enabled: bool) -> dict[str, Any]:
+    return {
+        "endpoints": {"default": {"base_url": url, "model": "judge-model", "max_concurrency": 16}},
+        "sample_rate": 1.0,
+        "builtin": {"relevance_to_query": {}, "safety": {}, "correctness": {}},
+        "custom": {"echo": {"prompt": "Request: {request}\nContext: {context}\nResponse: {response}"}},
+        "redaction": {"enabled": enabled},
+    }
+
+
+class InlineMeter:
+    """CPU of `Redaction.text` calls, measured on the thread that makes them."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.texts = 0
+        self.texts_per_record = 0.0
+        self._orig = Redaction.text
+        meter = self
+
+        def timed(session: Redaction, text: str) -> str:
+            t0 = time.thread_time()
+            try:
+                return meter._orig(session, text)
+            finally:
+                meter.seconds += time.thread_time() - t0
+                meter.texts += 1
+
+        Redaction.text = timed  # type: ignore[method-assign]
+
+    def reset(self) -> None:
+        self.seconds, self.texts = 0.0, 0
+
+
+def cpu_per_record(
+    url: str, recs: list[EvalRecord], enabled: bool, meter: InlineMeter
+) -> tuple[float, float, int]:
+    """(process CPU per record, redactor CPU per record, judgements on redacted text)."""
+    with JudgeRunner(config(url, enabled), registry=CollectorRegistry()) as runner:
+        list(runner.judge_many(recs[:20]))  # warm: connections, imports, the first-call paths
+        gc.collect()
+        meter.reset()
+        t0 = time.process_time()
+        redacted = sum(bool(a.redacted) for x in runner.judge_many(recs) for a in x)
+        total = time.process_time() - t0
+        meter.texts_per_record = meter.texts / len(recs) if enabled else meter.texts_per_record
+        return total / len(recs), meter.seconds / len(recs), redacted
+
+
+def redactor_alone(recs: list[EvalRecord]) -> float:
+    """CPU of the redactor on the texts one record's four judgements send (no HTTP)."""
+    redactor = Redactor()
+    texts = []
+    for r in recs:
+        ctx = "\n".join(d.content for d in r.retrieved_context or [])
+        texts.append([r.request or "", r.response or "", r.expected_response or "", ctx])
+    t0 = time.process_time()
+    for request, response, expected, ctx in texts:
+        for parts in ([request, response], [request, response], [request, response, expected]):
+            redactor.session().texts(parts)
+        redactor.session().texts([request, ctx, response])
+    return (time.process_time() - t0) / len(recs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--records", type=int, default=400)
+    ap.add_argument("--rounds", type=int, default=6)
+    args = ap.parse_args()
+    recs = records(args.records)
+    proc, url = start_endpoint()
+    meter = InlineMeter()
+    on: list[float] = []
+    off: list[float] = []
+    inline: list[float] = []
+    redacted = 0
+    try:
+        for i in range(args.rounds):
+            for enabled in (True, False) if i % 2 == 0 else (False, True):
+                cpu, spent, n = cpu_per_record(url, recs, enabled, meter)
+                if enabled:
+                    on.append(cpu)
+                    inline.append(spent)
+                    redacted = n
+                else:
+                    off.append(cpu)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    with_ms, without_ms = statistics.median(on) * 1e3, statistics.median(off) * 1e3
+    # The in-line share: the redactor's CPU against the rest of the same rounds' judging CPU.
+    shares = [spent / (cpu - spent) for cpu, spent in zip(on, inline, strict=True)]
+    alone_ms = redactor_alone(recs) * 1e3
+    print(f"records: {args.records} x {args.rounds} rounds each way, 4 judge calls per record")
+    print(f"judgements on redacted text per round: {redacted} of {4 * args.records}")
+    print(f"texts through the redactor per record: {meter.texts_per_record:.1f}")
+    print(f"A/B  CPU per record without redaction: {without_ms:.3f} ms (rounds: {_ms(off)})")
+    print(f"A/B  CPU per record with redaction:    {with_ms:.3f} ms (rounds: {_ms(on)})")
+    print(f"A/B  added (medians): {(with_ms - without_ms) / without_ms:+.1%}")
+    print(f"in-line redactor CPU per record: {statistics.median(inline) * 1e3:.3f} ms ({_ms(inline)})")
+    print(f"redactor alone on the record's texts, no HTTP: {alone_ms:.3f} ms per record")
+    print(f"added by redaction (in-line, median round): {statistics.median(shares):+.1%} (target: < +10%)")
+
+
+def _ms(values: list[float]) -> str:
+    return ", ".join(f"{v * 1e3:.2f}" for v in values)
+
+
+if __name__ == "__main__":
+    main()
