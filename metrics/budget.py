@@ -125,3 +125,75 @@ class EndpointBudget:
                 self.tokens.give_back(diff)
             elif diff < 0:
                 self.tokens.take(-diff)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hard spend caps in dollars
+
+# The windows a cap can be set over (`endpoints.<name>.usd_per_hour` / `usd_per_day`).
+WINDOWS: dict[str, float] = {"hour": 3600.0, "day": 86400.0}
+
+
+class SpendCap:
+    """USD spent on one endpoint over the last hour and/or day, never more than the caps allow.
+
+    A judgement is charged its estimated cost up front (`try_charge`): prompt tokens as estimated,
+    the endpoint's `max_output_tokens` per request, times the model's price, so the estimate is what
+    the request can cost at most when the prompt estimate holds. It is admitted only when what the
+    window has spent (settled judgements and the estimates of those in flight) plus its estimate stays
+    within every cap; otherwise it is skipped ("budget"). `settle` replaces the estimate by the cost
+    of the usage the endpoint reported. So the reported spend exceeds a cap by no more than the
+    in-flight judgements' estimated cost (and only where a reported usage exceeded its estimate).
+
+    The windows slide in one-minute slots (a slot leaves the window whole), which keeps the state at
+    most 1,440 numbers whatever the traffic.
+    """
+
+    SLOT_SECONDS = 60.0
+
+    def __init__(self, caps: dict[str, float], clock: Callable[[], float] = time.monotonic) -> None:
+        unknown = set(caps) - set(WINDOWS)
+        if unknown:
+            raise ValueError(f"unknown cap windows: {sorted(unknown)}")
+        self.caps = dict(caps)
+        self._clock = clock
+        self._slots: dict[int, float] = {}
+        self._lock = threading.Lock()
+        self._span_slots = {w: int(WINDOWS[w] // self.SLOT_SECONDS) for w in self.caps}
+        self._keep = max(self._span_slots.values(), default=0)
+
+    def _now_slot(self) -> int:
+        return int(self._clock() // self.SLOT_SECONDS)
+
+    def _spent(self, window: str, now: int) -> float:
+        first = now - self._span_slots[window] + 1
+        return sum(v for k, v in self._slots.items() if k >= first)
+
+    def _prune(self, now: int) -> None:
+        if len(self._slots) > self._keep:
+            first = now - self._keep + 1
+            for k in [k for k in self._slots if k < first]:
+                del self._slots[k]
+
+    def try_charge(self, usd: float) -> bool:
+        """Charge `usd` when every window can take it; False (nothing charged) when one cannot."""
+        with self._lock:
+            now = self._now_slot()
+            self._prune(now)
+            for window, cap in self.caps.items():
+                if self._spent(window, now) + usd > cap:
+                    return False
+            self._slots[now] = self._slots.get(now, 0.0) + usd
+            return True
+
+    def settle(self, estimate: float, actual: float) -> None:
+        """Replace a charged estimate by what the judgement cost."""
+        with self._lock:
+            now = self._now_slot()
+            self._slots[now] = self._slots.get(now, 0.0) + (actual - estimate)
+
+    def remaining(self) -> dict[str, float]:
+        """USD each window can still spend (negative when reported usage overran the estimates)."""
+        with self._lock:
+            now = self._now_slot()
+            return {w: cap - self._spent(w, now) for w, cap in self.caps.items()}
