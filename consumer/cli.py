@@ -1,5 +1,5 @@
 """The `tracejudge` command: `eval` (files), `run` (Kafka), `sessions` (conversations), `sink` (write-back),
-`demo` (everything embedded).
+`backfill` (re-judge a time range), `demo` (everything embedded).
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `main(args) -> int`;
 this file only wires them together, importing a subcommand's module when it is chosen so that
@@ -19,11 +19,17 @@ from tracejudge.consumer.log_setup import configure_library_logs
 
 SUBCOMMANDS = {
     "eval": ("tracejudge.consumer.offline", "evaluate JSON Lines files offline (same scores as the stream)"),
+    "calibrate": ("tracejudge.consumer.calibrate", "measure the judges' agreement with human labels "
+                                                   "and write a calibration file"),
     "run": ("tracejudge.consumer.stream", "consume traces from Kafka and export quality to Prometheus"),
     "sessions": ("tracejudge.consumer.sessions", "gather the trace results into conversations and evaluate "
                                                  "each session when it goes quiet"),
     "sink": ("tracejudge.consumer.sink_stage", "write the judges' verdicts from the results topic back to "
                                                "MLflow or an OpenTelemetry collector"),
+    "agreement": ("tracejudge.consumer.agreement", "join human labels from a labels topic with the judges' "
+                                                   "verdicts and export their agreement"),
+    "backfill": ("tracejudge.consumer.backfill", "re-judge a time range of the input topics and publish "
+                                                 "the results marked as backfill (resumable)"),
     "demo": ("tracejudge.consumer.demo.command", "run a local broker, a synthetic agent and the evaluator"),
 }
 

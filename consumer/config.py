@@ -571,6 +571,36 @@ class SessionsSettings(Section):
         return v
 
 
+class AgreementSettings(Section):
+    """`tracejudge agreement`: the online-agreement stage (`consumer/agreement.py`). It reads the trace
+    results (`results_topic`, default `stream.results_topic`) and the human labels (`labels_topic`,
+    required for the stage) and joins them by trace id / request id within `window_s`."""
+
+    results_topic: str | None = None
+    labels_topic: str | None = None
+    # Default: tracejudge-agreement.
+    group_id: str | None = None
+    # How long a verdict waits for its label and a label for its verdict (wall clock); a label still
+    # unmatched then is counted as unmatched.
+    window_s: float = Field(default=3600.0, gt=0)
+    # Verdicts and labels held waiting, each; past it the oldest is dropped (counted).
+    max_pending: int = Field(default=100_000, gt=0)
+
+    @field_validator("results_topic", "labels_topic")
+    @classmethod
+    def _topic(cls, v: str | None) -> str | None:
+        if v is not None and (not _TOPIC_NAME.match(v) or v in (".", "..")):
+            raise ValueError(f"{v!r} is not a valid Kafka topic name")
+        return v or None
+
+    @field_validator("group_id")
+    @classmethod
+    def _group(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+
 class Settings(Section):
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     stream: StreamSettings = Field(default_factory=StreamSettings)
@@ -587,6 +617,8 @@ class Settings(Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     # LLM / heuristic judges (tracejudge.metrics.judge_config); no section: no judges run.
     judges: JudgesConfig | None = None
+    # `tracejudge agreement` (human labels joined with the judges' verdicts).
+    agreement: AgreementSettings = Field(default_factory=AgreementSettings)
 
     def redacted(self) -> dict[str, Any]:
         """Effective settings as flat `section.key -> value`, secrets replaced by '**********'."""
@@ -710,6 +742,10 @@ _FLAG_NAMES = {
     "sessions.input_topic": "--input-topic",
     "sessions.results_topic": "--results-topic",
     "sessions.dead_letter_topic": "--dead-letter-topic",
+    # `tracejudge agreement`
+    "agreement.group_id": "--group-id",
+    "agreement.results_topic": "--results-topic",
+    "agreement.labels_topic": "--labels-topic",
 }
 
 

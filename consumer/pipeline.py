@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from tracejudge.metrics.computed import ComputedMetrics, MetricLoadError
+from tracejudge.metrics.cost import COST_ERROR_KEY, PriceTable, trace_cost
 from tracejudge.schemas.detect import normalise
 from tracejudge.schemas.record import EvalRecord
 from tracejudge.schemas.result import EvaluationResult, SourceRef
@@ -35,8 +36,10 @@ class Pipeline:
     """
 
     def __init__(self, *, metrics: ComputedMetrics | None = None, app_tag: str | None = None,
-                 session_tag: str | None = None) -> None:
+                 session_tag: str | None = None, prices: PriceTable | None = None) -> None:
         self.metrics = metrics or ComputedMetrics()
+        # The agent's cost per trace (`tracejudge.metrics.cost`): stated, else priced, else unknown.
+        self.prices = prices
         self.app_tag = app_tag
         self.session_tag = session_tag
 
@@ -45,8 +48,13 @@ class Pipeline:
         return normalise(payload, fmt, app_tag=self.app_tag, session_tag=self.session_tag)
 
     def evaluate(self, record: EvalRecord, source: SourceRef) -> EvaluationResult:
-        """Computed metrics for one record. Never raises for a metric's failure: it is recorded."""
+        """Computed metrics for one record, and its cost. Never raises for a metric's failure: it is
+        recorded (a stated cost or token count set aside as bad input under `metric_errors["cost"]`)."""
         values, errors = self.metrics.compute(record)
+        priced = trace_cost(record, self.prices)
+        record.cost = priced.cost
+        if priced.ignored is not None:
+            errors[COST_ERROR_KEY] = priced.ignored
         return EvaluationResult(record=record, source=source, metrics=values, metric_errors=errors)
 
 

@@ -127,6 +127,8 @@ class RecordProcessor:
         self.decoder: DecodePool | None = None
         self._batch: list[tuple[Any, SourceRef, _Export, str | None]] = []
         self._observe = exporter.processing.observe
+        # `TrustMetrics`: human labels that came with a record compared with its verdicts.
+        self.trust: Any = None
 
     def process(self, tp: TopicPartition, record: Any) -> None:
         """One fetched `ConsumerRecord`. Never raises for anything about the record."""
@@ -296,6 +298,8 @@ class RecordProcessor:
             self.exporter.export(result)
             if count:
                 self.exporter.count_ok(result.source.topic or "")
+            if self.trust is not None and result.record.human_labels:
+                self.trust.observe_result(result)
         except Exception:  # a metrics bug must not hold the offset back
             src = result.source
             log.exception("exporting metrics of %s[%s]@%s failed", src.topic, src.partition, src.offset)
@@ -369,6 +373,8 @@ class EvaluationStage(Stage):
         self.processor: RecordProcessor | None = None
         self.decoder: DecodePool | None = None
         self._process: Callable[[TopicPartition, Any], None] | None = None
+        self.canaries = _build_canaries(judges)
+        self.trust: Any = None
 
     # -- start-up -------------------------------------------------------------------------------------
 
@@ -431,6 +437,7 @@ class EvaluationStage(Stage):
                                          judge=self.judges.submit if self.judges else None,
                                          handlers=self.handlers)
         self.processor.decoder = self.decoder
+        self.processor.trust = self.trust
         self._process = self.processor.process
 
     def started(self) -> None:
@@ -444,6 +451,8 @@ class EvaluationStage(Stage):
             self.publisher.run_due_retries()
         assert self.processor is not None
         self.processor.emit_due()
+        if self.canaries is not None:
+            self.canaries.tick(now)
 
     def room(self) -> int:
         return self.settings.stream.max_in_flight - self.exports.count
@@ -530,6 +539,7 @@ class StreamRunner(ConsumerRuntime):
             settings, self.exporter.registry, self.exporter.apps)
         stage = EvaluationStage(settings, self.pipeline, self.exporter, self.judges, self.handlers, workers,
                                 why, tune_gc=tune_gc)
+        stage.trust = self.trust = _trust(self.judges, self.exporter)
         super().__init__(settings, stage, self.exporter, self.exporter.registry, log=log,
                          title="tracejudge run")
         self.exports = stage.exports
@@ -552,6 +562,32 @@ class StreamRunner(ConsumerRuntime):
         stage = self.stage
         assert isinstance(stage, EvaluationStage)
         return stage.processor
+
+
+def _trust(judges: Any, exporter: PrometheusExporter) -> Any:
+    """The judges' trust series (`metrics/trust_metrics.py`): calibration from `judges.calibration_file`,
+    agreement with the labels records carry. ConfigError when the calibration file cannot be read."""
+    if judges is None or not hasattr(judges, "identities"):
+        return None
+    from tracejudge.metrics.calibration import CalibrationError
+    from tracejudge.metrics.trust_metrics import trust_for_run
+
+    try:
+        return trust_for_run(judges, exporter.registry, exporter.apps)
+    except CalibrationError as exc:
+        raise ConfigError([("judges.calibration_file", str(exc))]) from None
+
+
+def _build_canaries(judges: Any) -> Any:
+    """The canaries of `judges.canary` (tracejudge.metrics.canary), judged by the live judges from
+    the poll loop's tick; None without judges or a canary section."""
+    from tracejudge.metrics.canary import build_canaries
+    from tracejudge.metrics.judge_config import JudgeConfigError
+
+    try:
+        return build_canaries(judges) if hasattr(judges, "submit_canary") else None
+    except JudgeConfigError as exc:
+        raise ConfigError([(exc.key, exc.detail)]) from None
 
 
 def _size_decode_workers(settings: Settings, handlers: Mapping[str, FormatHandler],

@@ -26,7 +26,7 @@ to the retrieved context).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tracejudge.metrics.judges import Job, Judge, NotApplicable, _clip, split_statements
@@ -186,7 +186,24 @@ def _originals(text: str, stems: set[str]) -> list[str]:
     return list(out)
 
 
-HEURISTIC_FACTORIES = {"groundedness": HeuristicGroundedness, "relevance_to_query": HeuristicRelevance}
+def _code_tool_call_judge(name: str) -> Callable[..., HeuristicJudge]:
+    # The model-free tool-call judges (tracejudge.metrics.tool_call_judges, which imports this module).
+    def make(**kw: Any) -> HeuristicJudge:
+        from tracejudge.metrics import tool_call_judges
+
+        cls = {"tool_call_correctness": tool_call_judges.CodeToolCallCorrectness,
+               "tool_call_efficiency": tool_call_judges.CodeToolCallEfficiency}[name]
+        return cls(**kw)
+
+    return make
+
+
+HEURISTIC_FACTORIES: dict[str, Callable[..., HeuristicJudge]] = {
+    "groundedness": HeuristicGroundedness,
+    "relevance_to_query": HeuristicRelevance,
+    "tool_call_correctness": _code_tool_call_judge("tool_call_correctness"),
+    "tool_call_efficiency": _code_tool_call_judge("tool_call_efficiency"),
+}
 
 
 def heuristic_judges(names: Sequence[str]) -> list[HeuristicJudge]:

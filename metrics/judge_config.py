@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -49,8 +50,10 @@ __all__ = [
     "SESSION_HEURISTIC_JUDGES",
     "SESSION_JUDGES",
     "SESSION_PLACEHOLDER",
+    "TOOL_CALL_JUDGES",
     "AnswerRelevancySettings",
     "BuiltinJudges",
+    "CanaryConfig",
     "ChunkRelevanceSettings",
     "ConversationalGuidelinesSettings",
     "CustomJudgeConfig",
@@ -61,7 +64,10 @@ __all__ = [
     "JudgeConfigError",
     "JudgeSettings",
     "JudgesConfig",
+    "RedactionConfig",
     "SessionJudges",
+    "ShadowJudge",
+    "ToolCallCorrectnessSettings",
     "find_placeholders",
     "load_judges_config",
     "resolve_api_key",
@@ -77,9 +83,14 @@ BUILTIN_JUDGES: tuple[str, ...] = (
     "answer_relevancy",
     "fact_check",
     "guidelines",
+    "tool_call_correctness",
+    "tool_call_efficiency",
 )
 # The judges the model-free provider can answer.
 HEURISTIC_JUDGES: tuple[str, ...] = ("groundedness", "relevance_to_query")
+# Judges that also answer without a model, by code (tracejudge.metrics.tool_call_judges): the exact
+# comparison with expected tool calls and exact repeats. Not among the defaults of `judges: {}`.
+TOOL_CALL_JUDGES: tuple[str, ...] = ("tool_call_correctness", "tool_call_efficiency")
 # The record fields a custom judge's prompt template may name.
 PLACEHOLDERS: tuple[str, ...] = ("request", "response", "context", "expected_response", "trajectory")
 # Session judges, named as MLflow names its session scorers (the snake_case of the scorer class), so
@@ -120,6 +131,13 @@ class JudgeConfigError(ValueError):
 class _Strict(BaseModel):
     # Typos in a config file must fail loudly, not silently fall back to a default.
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EndpointPrice(_Strict):
+    """A judge model's price in USD per million input and output tokens."""
+
+    input_per_mtok: float = Field(ge=0)
+    output_per_mtok: float = Field(ge=0)
 
 
 class EndpointConfig(_Strict):
@@ -171,6 +189,13 @@ class EndpointConfig(_Strict):
     breaker_failure_threshold: int = Field(default=5, ge=1)
     breaker_reset_seconds: float = Field(default=30.0, gt=0)
     breaker_max_reset_seconds: float = Field(default=300.0, gt=0)
+    # What the endpoint's model costs, USD per million tokens (a self-hosted or unlisted model); None:
+    # the price table's price for `model` (tracejudge.metrics.cost).
+    price: EndpointPrice | None = None
+    # Hard spend caps in USD over the last hour / day (tracejudge.metrics.budget.SpendCap). A cap
+    # needs a price: a configured one, or the table's for `model` (checked at start-up).
+    usd_per_hour: float | None = Field(default=None, gt=0)
+    usd_per_day: float | None = Field(default=None, gt=0)
 
     @field_validator("base_url")
     @classmethod
@@ -239,6 +264,22 @@ class GuidelinesSettings(JudgeSettings):
     guidelines: list[str] = Field(default_factory=list)
 
 
+class ToolCallCorrectnessSettings(JudgeSettings):
+    """`tool_call_correctness`: `mode` exact (code) or llm; None: exact when the record has expected
+    tool calls, llm otherwise (with an endpoint). `ordered`: compare position by position (MLflow's
+    should_consider_ordering). `compare_arguments`: compare the arguments an expected call gives."""
+
+    mode: Literal["exact", "llm"] | None = None
+    ordered: bool = False
+    compare_arguments: bool = True
+
+    @model_validator(mode="after")
+    def _llm_needs_model(self) -> ToolCallCorrectnessSettings:
+        if self.mode == "llm" and self.provider == "heuristic":
+            raise ValueError("mode llm asks a model; it cannot use provider heuristic")
+        return self
+
+
 class BuiltinJudges(_Strict):
     """One optional entry per built-in judge; an unknown name is a configuration error."""
 
@@ -251,6 +292,8 @@ class BuiltinJudges(_Strict):
     answer_relevancy: AnswerRelevancySettings | None = None
     fact_check: FactCheckSettings | None = None
     guidelines: GuidelinesSettings | None = None
+    tool_call_correctness: ToolCallCorrectnessSettings | None = None
+    tool_call_efficiency: JudgeSettings | None = None
 
     def configured(self) -> dict[str, JudgeSettings]:
         return {n: s for n in BUILTIN_JUDGES if (s := getattr(self, n)) is not None and s.enabled}
@@ -367,6 +410,35 @@ class CustomJudgeConfig(JudgeSettings):
         return SESSION_PLACEHOLDER in self.placeholders
 
 
+class CanaryConfig(_Strict):
+    """`judges.canary`: labelled records (the set shipped with tracejudge plus `file`) judged by the
+    live judges at `rate_per_minute` per judge, to catch a judge drifting from known answers."""
+
+    # Canary judgements per minute per judge (one in flight per judge at most).
+    rate_per_minute: float = Field(default=1.0, gt=0, le=600)
+    # The user's canary set: JSON Lines of agent-evaluation records with `expected: {judge: pass|fail}`.
+    file: str | None = None
+    # Which live judges get canaries; None: every live model judge some canary has a label for.
+    judges: list[str] | None = None
+    # Include the canary set shipped with tracejudge (groundedness and relevance_to_query).
+    shipped: bool = True
+
+
+class RedactionConfig(_Strict):
+    """`judges.redaction`: what is replaced by a placeholder before text goes to a judge or embeddings
+    endpoint (tracejudge.metrics.redaction). On by default: turning it off is a deliberate choice."""
+
+    enabled: bool = True
+    # The built-in detectors to run (default: all).
+    kinds: list[Literal["email", "phone", "card", "iban", "ssn", "ip", "secret"]] = Field(
+        default_factory=lambda: ["email", "phone", "card", "iban", "ssn", "ip", "secret"]
+    )
+    # name -> regular expression; a match becomes <NAME_n> (group 1 only, when the pattern has groups).
+    patterns: dict[str, str] = Field(default_factory=dict)
+    # "module:function": text -> iterable of (start, end) or (start, end, label) spans to replace.
+    callable: str | None = None
+
+
 class JudgesConfig(_Strict):
     endpoints: dict[str, EndpointConfig] = Field(default_factory=dict)
     # Endpoint used by judges that name none. Default: "default" if defined, else the only endpoint.
@@ -390,6 +462,17 @@ class JudgesConfig(_Strict):
     # judges user_frustration and conversation_completeness. Custom judges whose template names
     # `{conversation}` are session judges too.
     sessions: SessionJudges | None = None
+    # Canaries (tracejudge.metrics.canary): labelled records the live judges judge at a fixed rate.
+    canary: CanaryConfig | None = None
+    # Shadow judges: candidate name -> {shadows: <live judge>, model?, the candidate's settings}; see
+    # `shadow_judges()` and tracejudge.metrics.shadow. Kept as mappings here: a candidate's settings
+    # are those of the judge kind it is, known only once `shadows` is read.
+    shadow: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    # `tracejudge calibrate`'s output: `tracejudge run` exports each judge's calibration from it
+    # (tracejudge.metrics.trust_metrics) and marks a judge whose fingerprint changed since as stale.
+    calibration_file: str | None = None
+    # Redaction before egress (tracejudge.metrics.redaction); checked at start by `_redaction_valid`.
+    redaction: RedactionConfig = Field(default_factory=RedactionConfig)
 
     @model_validator(mode="after")
     def _references(self) -> JudgesConfig:
@@ -434,7 +517,7 @@ class JudgesConfig(_Strict):
                         "(status and tags belong to single traces)"
                     )
             provider = self.provider_of(name, settings)
-            heuristic_ok = SESSION_HEURISTIC_JUDGES if session else HEURISTIC_JUDGES
+            heuristic_ok = SESSION_HEURISTIC_JUDGES if session else HEURISTIC_JUDGES + TOOL_CALL_JUDGES
             if provider == "heuristic":
                 if name not in heuristic_ok:
                     raise ValueError(
@@ -502,7 +585,11 @@ class JudgesConfig(_Strict):
     def provider_of(self, name: str, settings: JudgeSettings) -> str:
         if settings.provider:
             return settings.provider
+        if isinstance(settings, ToolCallCorrectnessSettings) and settings.mode == "llm":
+            return "llm"
         if (name in HEURISTIC_JUDGES or name in SESSION_HEURISTIC_JUDGES) and not self.endpoints:
+            return "heuristic"
+        if name in TOOL_CALL_JUDGES and not self.endpoints:
             return "heuristic"
         return "llm"
 
@@ -519,6 +606,26 @@ class JudgesConfig(_Strict):
         name = settings.endpoint or self.default_endpoint_name
         assert name is not None  # guaranteed by _references for llm judges
         return name
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shadow_is_a_mapping(cls, data: Any) -> Any:
+        return _check_shadow_shape(data)
+
+    @model_validator(mode="after")
+    def _trust_references(self) -> JudgesConfig:
+        _check_trust(self)
+        return self
+
+    @model_validator(mode="after")
+    def _redaction_valid(self) -> JudgesConfig:
+        _check_redaction(self.redaction)
+        return self
+
+    def shadow_judges(self) -> dict[str, ShadowJudge]:
+        """The shadow (candidate) judges by name, with their settings parsed (validated already)."""
+        parsed = {name: _parse_shadow(self, name, entry) for name, entry in self.shadow.items()}
+        return {name: s for name, s in parsed.items() if s.settings.enabled}
 
 
 def _dotted(loc: tuple[Any, ...], prefix: str) -> str:
@@ -600,3 +707,120 @@ def resolve_headers(
             )
         headers[header] = value
     return headers
+
+
+# -- shadow judges and canaries ---------------------------------------------------------------------
+# The keys of a shadow entry that are not the candidate's judge settings.
+_SHADOW_KEYS = ("shadows", "model")
+_BUILTIN_SETTINGS: dict[str, type[JudgeSettings]] = {
+    "chunk_relevance": ChunkRelevanceSettings,
+    "answer_relevancy": AnswerRelevancySettings,
+    "fact_check": FactCheckSettings,
+    "guidelines": GuidelinesSettings,
+}
+
+
+@dataclass(frozen=True)
+class ShadowJudge:
+    """A candidate judge that runs beside the live judge `shadows` on exactly its sample.
+
+    `kind` is the built-in judge it is (the shadowed judge's kind), None for a custom judge (a
+    `prompt`); `model` overrides the endpoint's model (a candidate model on the same endpoint)."""
+
+    shadows: str
+    settings: JudgeSettings
+    kind: str | None = None
+    model: str | None = None
+
+
+def _check_shadow_shape(data: Any) -> Any:
+    if isinstance(data, Mapping) and isinstance(data.get("shadow"), Mapping):
+        for name, entry in data["shadow"].items():
+            if not isinstance(entry, Mapping):
+                raise ValueError(
+                    f"shadow.{name}: a mapping with shadows: <judge> and the candidate's settings"
+                )
+    return data
+
+
+def _parse_shadow(cfg: JudgesConfig, name: str, entry: Mapping[str, Any]) -> ShadowJudge:
+    key = f"shadow.{name}"
+    shadows = entry.get("shadows")
+    live = cfg.judge_settings()
+    if not isinstance(shadows, str) or shadows not in live:
+        raise ValueError(f"{key}.shadows: names the live trace judge this candidate may replace "
+                         f"(configured: {', '.join(live) or 'none'}), got {shadows!r}")
+    model = entry.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise ValueError(f"{key}.model: a model name")
+    rest = {k: v for k, v in entry.items() if k not in _SHADOW_KEYS}
+    for own in ("sample_rate", "filters"):
+        if own in rest:
+            raise ValueError(f"{key}.{own}: a shadow judge uses the sample rate and filters of the judge "
+                             "it shadows (that is what makes the comparison fair)")
+    kind = None if "prompt" in rest else shadows
+    if kind is not None and kind in cfg.custom:
+        raise ValueError(f"{key}.prompt: {shadows} is a custom judge; its candidate needs a prompt")
+    model_cls = CustomJudgeConfig if kind is None else _BUILTIN_SETTINGS.get(kind, JudgeSettings)
+    try:
+        settings = model_cls.model_validate(rest)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = _dotted(tuple(err.get("loc", ())), key)
+        what = "unknown key" if err.get("type") == "extra_forbidden" else str(err.get("msg", "invalid"))
+        raise ValueError(f"{where}: {what.removeprefix('Value error, ')}") from None
+    if isinstance(settings, CustomJudgeConfig) and settings.is_session:
+        raise ValueError(f"{key}.prompt: shadow judges judge single traces, without {{conversation}}")
+    provider = settings.provider or ("llm" if cfg.endpoints or kind not in HEURISTIC_JUDGES else "heuristic")
+    if provider == "heuristic":
+        if kind not in HEURISTIC_JUDGES:
+            raise ValueError(f"{key}.provider: only {', '.join(HEURISTIC_JUDGES)} have a heuristic provider")
+        if model is not None:
+            raise ValueError(f"{key}.model: a heuristic judge has no model")
+    else:
+        endpoint = settings.endpoint or cfg.default_endpoint_name
+        if endpoint not in cfg.endpoints:
+            raise ValueError(f"{key}.endpoint: no endpoint named {endpoint!r} "
+                             f"(defined: {sorted(cfg.endpoints) or 'none'})")
+        if kind == "answer_relevancy":
+            raise ValueError(f"{key}: answer_relevancy (an embeddings judge) cannot be shadowed yet")
+    return ShadowJudge(shadows, settings.model_copy(update={"provider": provider}), kind, model)
+
+
+def _check_trust(cfg: JudgesConfig) -> None:
+    """The cross-key checks of `canary` and `shadow` (a name clash, a judge that is not configured)."""
+    live = cfg.judge_settings()
+    taken = {*BUILTIN_JUDGES, *SESSION_JUDGES, *cfg.custom}
+    for name, entry in cfg.shadow.items():
+        if not _NAME.match(name) or name in taken:
+            raise ValueError(f"shadow.{name}: a shadow judge's name must be a lowercase identifier that "
+                             "no other judge has")
+        _parse_shadow(cfg, name, entry)
+    if cfg.canary is not None:
+        for i, judge in enumerate(cfg.canary.judges or ()):
+            if judge not in live:
+                raise ValueError(f"canary.judges[{i}]: no live trace judge named {judge!r} "
+                                 f"(configured: {', '.join(live) or 'none'})")
+
+
+def _check_redaction(cfg: RedactionConfig) -> None:
+    """Every user pattern compiles and the callable imports, before any record is read."""
+    from tracejudge.metrics.redaction import load_callable
+
+    for name, pattern in cfg.patterns.items():
+        if not _NAME.match(name):
+            raise ValueError(
+                f"redaction.patterns: pattern name {name!r} is not a lowercase identifier (the "
+                "placeholder is <NAME_n>)"
+            )
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"redaction.patterns.{name}: not a valid regular expression: {exc}") from None
+        if re.compile(pattern).match(""):
+            raise ValueError(f"redaction.patterns.{name}: matches the empty string")
+    if cfg.callable is not None:
+        try:
+            load_callable(cfg.callable)
+        except ValueError as exc:
+            raise ValueError(f"redaction.callable: {exc}") from None

@@ -130,6 +130,31 @@ class JudgeMetrics:
         self.in_flight = Gauge(
             "tracejudge_judge_in_flight", "Records with judgements in progress.", registry=registry
         )
+        # Judge trust (tracejudge.metrics.canary, tracejudge.metrics.shadow): never app quality.
+        self.canary = Counter(
+            "tracejudge_judge_canary",
+            "Canary judgements (labelled records, not app traffic) by agreement with the known answer.",
+            ["judge", "outcome"],
+            registry=registry,
+        )
+        self.canary_skipped = Counter(
+            "tracejudge_judge_canary_skipped",
+            "Canary judgements not run (runner overloaded, budget spent, circuit open, one in flight).",
+            ["judge", "reason"],
+            registry=registry,
+        )
+        self.canary_invalid = Counter(
+            "tracejudge_judge_canary_invalid",
+            "Canary set lines or labels not used, by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        self.shadow = Counter(
+            "tracejudge_judge_shadow",
+            "A shadow (candidate) judge's verdicts compared with the live judge's on the same trace.",
+            ["judge", "shadow", "outcome"],
+            registry=registry,
+        )
 
     def observe_eligible(self, app: str, judge: str) -> None:
         self.eligible.labels(app, judge).inc()
@@ -166,3 +191,12 @@ class JudgeMetrics:
 
     def set_circuit_open(self, endpoint: str, is_open: bool) -> None:
         self.circuit_open.labels(endpoint).set(1 if is_open else 0)
+
+    def observe_canary(self, judge: str, outcome: str) -> None:
+        self.canary.labels(judge, outcome).inc()
+
+    def observe_canary_skipped(self, judge: str, reason: str) -> None:
+        self.canary_skipped.labels(judge, reason).inc()
+
+    def observe_shadow(self, judge: str, shadow: str, agree: bool) -> None:
+        self.shadow.labels(judge, shadow, "agree" if agree else "disagree").inc()

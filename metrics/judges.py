@@ -1079,6 +1079,19 @@ class AnswerRelevancy(Judge):
         return Job(Cost(2, tokens + OUTPUT_TOKENS_ESTIMATE + estimate_tokens(request) + 30 * n), run)
 
 
+def _tool_call_correctness(**kw: Any) -> Judge:
+    # Imported when used: tool_call_judges builds on this module.
+    from tracejudge.metrics.tool_call_judges import ToolCallCorrectness
+
+    return ToolCallCorrectness(**kw)
+
+
+def _tool_call_efficiency(**kw: Any) -> Judge:
+    from tracejudge.metrics.tool_call_judges import ToolCallEfficiency
+
+    return ToolCallEfficiency(**kw)
+
+
 BUILTIN_FACTORIES: dict[str, Callable[..., Judge]] = {
     "groundedness": Groundedness,
     "relevance_to_query": RelevanceToQuery,
@@ -1089,4 +1102,6 @@ BUILTIN_FACTORIES: dict[str, Callable[..., Judge]] = {
     "answer_relevancy": AnswerRelevancy,
     "fact_check": FactCheck,
     "guidelines": Guidelines,
+    "tool_call_correctness": _tool_call_correctness,
+    "tool_call_efficiency": _tool_call_efficiency,
 }

@@ -39,18 +39,21 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from tracejudge.metrics.budget import EndpointBudget
+from tracejudge.metrics.budget import Cost as BudgetCost
+from tracejudge.metrics.budget import EndpointBudget, SpendCap
+from tracejudge.metrics.cost import JudgeCostMetrics, Price, endpoint_price
 from tracejudge.metrics.custom_judges import CustomJudge
 from tracejudge.metrics.heuristic import HEURISTIC_FACTORIES, HeuristicJudge
 from tracejudge.metrics.judge_client import JudgeCallError, JudgeClient
 from tracejudge.metrics.judge_config import (
     AnswerRelevancySettings,
     CustomJudgeConfig,
+    JudgeConfigError,
     JudgesConfig,
     load_judges_config,
     resolve_api_key,
@@ -59,15 +62,18 @@ from tracejudge.metrics.judge_config import (
 from tracejudge.metrics.judge_metrics import JudgeMetrics, default_app_label
 from tracejudge.metrics.judges import (
     BUILTIN_FACTORIES,
+    OUTPUT_TOKENS_ESTIMATE,
     Judge,
     JudgeAnswerError,
     JudgeContext,
     NotApplicable,
     TooLarge,
 )
+from tracejudge.metrics.redaction import Redactor, reset_redaction, use_redaction
 from tracejudge.metrics.sampling import TraceFilter, sample_point, sampling_key, trace_status
+from tracejudge.metrics.shadow import compare_shadows, configure_shadows
 from tracejudge.schemas.record import EvalRecord
-from tracejudge.schemas.result import Assessment
+from tracejudge.schemas.result import Assessment, JudgeIdentity
 
 __all__ = ["JudgeRunner"]
 
@@ -82,6 +88,10 @@ class _Configured:
     client: JudgeClient | None = None
     embeddings: JudgeClient | None = None
     budget: EndpointBudget | None = None
+    # A shadow (candidate) judge: the live judge it may replace (tracejudge.metrics.shadow).
+    shadow_of: str | None = None
+    # A canary judgement's copy of a live judge: observed only in the canary series.
+    canary: bool = False
 
     @property
     def name(self) -> str:
@@ -126,7 +136,15 @@ class JudgeRunner:
         self._clock = clock
         self.clients: dict[str, JudgeClient] = {}
         self.budgets: dict[str, EndpointBudget] = {}
+        # Hard spend caps per endpoint, and each client's price (None: unknown, judgements unpriced).
+        self.spend_caps: dict[str, SpendCap] = {}
+        self._prices: dict[int, Price | None] = {}
+        self._costs = JudgeCostMetrics.of(getattr(metrics, "registry", None) or CollectorRegistry())
+        # Redaction before egress: every judge client passes its text through it (None: disabled).
+        self.redactor = Redactor.for_runner(self.config.redaction, getattr(metrics, "registry", None))
         self._judges = self._configure_all(env)
+        self._shadowed = any(c.shadow_of is not None for c in self._judges)
+        self._canaries: dict[str, _Configured] = {}
         self._lock = threading.Lock()
         self._in_flight = 0
         self._closed = False
@@ -141,12 +159,17 @@ class JudgeRunner:
         return JudgeMetrics(registry, app_label or default_app_label)
 
     def _configure_all(self, env: Mapping[str, str] | None) -> list[_Configured]:
-        return [self._configure(n, s, env) for n, s in self.config.judge_settings().items()]
+        live = [self._configure(n, s, env) for n, s in self.config.judge_settings().items()]
+        return live + configure_shadows(self, live, env)
 
-    def _client(self, name: str, env: Mapping[str, str] | None) -> JudgeClient:
-        if name not in self.clients:
+    def _client(self, name: str, env: Mapping[str, str] | None, model: str | None = None) -> JudgeClient:
+        # `model`: a shadow judge's candidate model on this endpoint (its own client, the same budget).
+        key = name if model is None else f"{name}\x00{model}"
+        if key not in self.clients:
             cfg = self.config.endpoints[name]
-            self.clients[name] = JudgeClient(
+            if model is not None:
+                cfg = cfg.model_copy(update={"model": model})
+            self.clients[key] = JudgeClient(
                 name,
                 cfg,
                 api_key=resolve_api_key(name, cfg, env),
@@ -154,23 +177,62 @@ class JudgeRunner:
                 on_request=self.metrics.observe_request,
                 on_breaker_change=self.metrics.set_circuit_open,
                 clock=self._clock,
+                redactor=self.redactor,
             )
-            self.budgets[name] = EndpointBudget(
-                cfg.requests_per_second, cfg.tokens_per_minute, clock=self._clock
-            )
+            if name not in self.budgets:
+                self.budgets[name] = EndpointBudget(
+                    cfg.requests_per_second, cfg.tokens_per_minute, clock=self._clock
+                )
+                self._spend_cap(name, cfg)
+            self._prices[id(self.clients[key])] = endpoint_price(cfg, model)
             self.metrics.set_circuit_open(name, False)
-        return self.clients[name]
+        return self.clients[key]
 
-    def _configure(self, name: str, settings: Any, env: Mapping[str, str] | None) -> _Configured:
+    def _spend_cap(self, name: str, cfg: Any) -> None:
+        """The endpoint's hard spend cap, when it has one: a cap needs a price to charge."""
+        caps = {w: v for w, v in (("hour", cfg.usd_per_hour), ("day", cfg.usd_per_day)) if v is not None}
+        if not caps:
+            return
+        if endpoint_price(cfg) is None:
+            key = f"judges.endpoints.{name}.{'usd_per_hour' if 'hour' in caps else 'usd_per_day'}"
+            raise JudgeConfigError(key, f"a spend cap needs a price, and model {cfg.model!r} is not in the "
+                                   f"price table: set judges.endpoints.{name}.price "
+                                   "{input_per_mtok, output_per_mtok}")
+        cap = self.spend_caps[name] = SpendCap(caps, clock=self._clock)
+        for window, usd in caps.items():
+            self._costs.cap.labels(name, window).set(usd)
+            self._costs.remaining.labels(name, window).set_function(
+                lambda cap=cap, window=window: cap.remaining()[window])
+
+    def _estimate_usd(self, cj: _Configured, cost: BudgetCost, price: Price) -> float:
+        """What a judgement can cost at most: twice the prompt-token estimate (the 4-characters-per-
+        token estimate is low for code and non-Latin text) and `max_output_tokens` per request."""
+        assert cj.client is not None
+        prompt = max(0, cost.tokens - cost.requests * OUTPUT_TOKENS_ESTIMATE) * 2
+        inp, out = price.of(prompt, cost.requests * cj.client.config.max_output_tokens)
+        return inp + out
+
+    def _configure(
+        self,
+        name: str,
+        settings: Any,
+        env: Mapping[str, str] | None,
+        *,
+        kind: str | None = None,
+        model: str | None = None,
+    ) -> _Configured:
+        """One judge. `kind`/`model`: a shadow judge that is the built-in `kind` under its own `name`,
+        with `model` instead of its endpoint's."""
         cfg = self.config
         rate = cfg.sample_rate_of(name, settings)
         flt = TraceFilter(settings.filters if settings.filters is not None else cfg.filters)
         if cfg.provider_of(name, settings) == "heuristic":
-            heuristic = HEURISTIC_FACTORIES[name](settings=settings)
+            heuristic = HEURISTIC_FACTORIES[kind or name](settings=settings)
+            heuristic.name = name
             heuristic.identity  # noqa: B018 - computed once, here
             return _Configured(heuristic, rate, flt)
         endpoint_name = cfg.endpoint_of(settings)
-        client = self._client(endpoint_name, env)
+        client = self._client(endpoint_name, env, model)
         embeddings = None
         if isinstance(settings, AnswerRelevancySettings):
             emb_name = settings.embeddings_endpoint or endpoint_name
@@ -187,15 +249,24 @@ class JudgeRunner:
                 embeddings_endpoint_name=embeddings.name if embeddings else None,
             )
         else:
-            judge = BUILTIN_FACTORIES[name](
+            judge = BUILTIN_FACTORIES[kind or name](
                 settings=settings, endpoint=client.config, endpoint_name=endpoint_name
             )
+            judge.name = name
         judge.identity  # noqa: B018 - computed once, here, rather than on the first verdict
         return _Configured(judge, rate, flt, client, embeddings, self.budgets[endpoint_name])
 
     def judge_names(self) -> list[str]:
-        """The configured judges, in the order their assessments appear in results."""
-        return [c.name for c in self._judges]
+        """The configured live judges, in the order their assessments appear in results."""
+        return [c.name for c in self._judges if c.shadow_of is None]
+
+    def shadow_names(self) -> dict[str, str]:
+        """The shadow (candidate) judges -> the live judge each shadows; after the live ones in results."""
+        return {c.name: c.shadow_of for c in self._judges if c.shadow_of is not None}
+
+    def identities(self) -> dict[str, JudgeIdentity]:
+        """Each configured judge's identity (its `version` fingerprint keys its calibration)."""
+        return {c.name: c.judge.identity for c in self._judges}
 
     @property
     def needs_event_loop(self) -> bool:
@@ -215,7 +286,10 @@ class JudgeRunner:
         rationale: str | None = None,
         duration: float | None = None,
     ) -> Assessment:
-        self.metrics.observe_skipped(app, cj.name, reason)
+        if cj.canary:
+            self.metrics.observe_canary_skipped(cj.name, reason)
+        else:
+            self.metrics.observe_skipped(app, cj.name, reason)
         return Assessment(
             name=cj.name,
             skipped=reason,
@@ -224,6 +298,7 @@ class JudgeRunner:
             duration_seconds=duration,
             judge=cj.judge.identity,
             sample_rate=cj.rate,
+            shadow_of=cj.shadow_of,
         )
 
     def _plan(self, record: EvalRecord) -> _Plan:
@@ -231,7 +306,18 @@ class JudgeRunner:
         status = trace_status(record)
         point: float | None = None
         slots: list[Assessment | _Configured] = []
+        sampled: set[str] = set()
         for cj in self._judges:
+            if cj.shadow_of is not None:
+                # A shadow judge sees exactly the records its live judge sampled (it comes after it).
+                if cj.shadow_of in sampled:
+                    missing = cj.judge.missing_inputs(record)
+                    slots.append(
+                        self._skip(app, cj, "missing_inputs", "missing: " + ", ".join(missing))
+                        if missing
+                        else cj
+                    )
+                continue
             if status == "failed":
                 slots.append(self._skip(app, cj, "failed_trace"))
                 continue
@@ -250,6 +336,7 @@ class JudgeRunner:
                     slots.append(self._skip(app, cj, "not_sampled"))
                     continue
             self.metrics.observe_sampled(app, cj.name)
+            sampled.add(cj.name)
             slots.append(cj)
         return _Plan(record, app, slots)
 
@@ -259,6 +346,8 @@ class JudgeRunner:
             a = slot if isinstance(slot, Assessment) else results[i]
             if a.skipped is None or self.config.emit_skipped:
                 out.append(a)
+        if self._shadowed:
+            compare_shadows(self.metrics, out)
         return out
 
     def _run_local(
@@ -289,16 +378,24 @@ class JudgeRunner:
         return self._observe(plan, cj, a, time.perf_counter() - t0)
 
     def _error(self, cj: _Configured, reason: str, detail: str) -> Assessment:
-        self.metrics.observe_error(cj.name, reason)
+        if not cj.canary:
+            self.metrics.observe_error(cj.name, reason)
         return Assessment(
-            name=cj.name, error=f"{reason}: {detail}", source=cj.judge.source, judge=cj.judge.identity
+            name=cj.name,
+            error=f"{reason}: {detail}",
+            source=cj.judge.source,
+            judge=cj.judge.identity,
+            shadow_of=cj.shadow_of,
         )
 
     def _observe(self, plan: _Plan, cj: _Configured, a: Assessment, seconds: float) -> Assessment:
         a.duration_seconds = round(seconds, 6)
         a.sample_rate = cj.rate
+        if cj.canary:  # observed by the canary series only (tracejudge.metrics.canary)
+            return a
         self.metrics.observe_duration(cj.name, seconds)
-        if a.error is None and a.skipped is None:
+        a.shadow_of = cj.shadow_of
+        if a.error is None and a.skipped is None and cj.shadow_of is None:
             self._observe_verdict(plan, cj, a)
         return a
 
@@ -321,7 +418,19 @@ class JudgeRunner:
             return self._skip(plan.app, cj, "not_applicable", str(exc))
         if cj.budget is not None and not cj.budget.try_acquire(job.cost):
             return self._skip(plan.app, cj, "budget")
+        price = self._prices.get(id(cj.client))
+        cap = self.spend_caps.get(cj.client.name)
+        estimate = 0.0
+        if cap is not None and price is not None:
+            estimate = self._estimate_usd(cj, job.cost, price)
+            if not cap.try_charge(estimate):
+                if cj.budget is not None:  # nothing was sent: the request and token budgets get it back
+                    cj.budget.settle(job.cost, requests_made=0, tokens_used=0)
+                return self._skip(plan.app, cj, "budget")
         ctx = JudgeContext(cj.client, cj.embeddings)
+        # One redaction session per judgement: the same value gets the same placeholder in all its calls.
+        redaction = self.redactor.session() if self.redactor is not None else None
+        redaction_token = use_redaction(redaction)
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(self.config.judgement_timeout_seconds):
@@ -344,12 +453,22 @@ class JudgeRunner:
             )
             a = self._error(cj, "internal", type(exc).__name__)
         finally:
+            reset_redaction(redaction_token)
             if cj.budget is not None:
                 cj.budget.settle(
                     job.cost, requests_made=ctx.requests, tokens_used=ctx.input_tokens + ctx.output_tokens
                 )
             self.metrics.observe_tokens(cj.name, ctx.input_tokens, ctx.output_tokens)
+            if cap is not None and price is not None:
+                spent_in, spent_out = price.of(ctx.input_tokens, ctx.output_tokens)
+                cap.settle(estimate, spent_in + spent_out)
         a.input_tokens, a.output_tokens = ctx.reported_usage()
+        if price is not None and a.input_tokens is not None and a.output_tokens is not None:
+            cost_in, cost_out = price.of(a.input_tokens, a.output_tokens)
+            a.cost_usd = round(cost_in + cost_out, 9)
+            self._costs.cost.labels(cj.name).inc(a.cost_usd)
+        if redaction is not None and redaction.replaced:
+            a.redacted = True
         return self._observe(plan, cj, a, time.perf_counter() - t0)
 
     async def _execute(self, plan: _Plan) -> list[Assessment]:
@@ -418,6 +537,37 @@ class JudgeRunner:
             self._finish(plan, self._run_local(plan, only_local=not plan.remote, skip_reason=reason))
         )
         return done
+
+    def submit_canary(self, record: EvalRecord, name: str) -> concurrent.futures.Future[Assessment]:
+        """Judge a canary record with the live judge `name` (its client, budget, breaker and timeout),
+        without sampling or filters, observed only in the canary series (tracejudge.metrics.canary).
+        Thread-safe; the future is already done for a local judge and when the runner is overloaded or
+        closed (an assessment skipped for that reason, counted as a canary skip)."""
+        cj = self._canaries.get(name)
+        if cj is None:
+            live = next(c for c in self._judges if c.name == name and c.shadow_of is None)
+            cj = self._canaries[name] = replace(live, canary=True)
+        plan = _Plan(record, "canary", [cj])
+        done: concurrent.futures.Future[Assessment] = concurrent.futures.Future()
+        if cj.local:
+            done.set_result(self._run_heuristic(cj, plan))
+            return done
+        if self._closed or not self._enter():
+            done.set_result(self._skip(plan.app, cj, "closed" if self._closed else "overloaded"))
+            return done
+        try:
+            loop = self._background_loop()
+        except RuntimeError:  # closed meanwhile
+            self._leave()
+            done.set_result(self._skip(plan.app, cj, "closed"))
+            return done
+        fut = asyncio.run_coroutine_threadsafe(self._run_canary(cj, plan), loop)
+        fut.add_done_callback(self._leave)
+        return fut
+
+    async def _run_canary(self, cj: _Configured, plan: _Plan) -> Assessment:
+        self._bind()
+        return await self._run_remote(cj, plan)
 
     async def _execute_bound(self, plan: _Plan) -> list[Assessment]:
         self._bind()

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tracejudge.metrics.computed import RATIO_METRICS
 from tracejudge.metrics.consumer_metrics import ConsumerMetrics
+from tracejudge.metrics.cost import COST_ERROR_KEY, ignored_reason, unknown_reason
 from tracejudge.schemas.result import EvaluationResult
 
 __all__ = [
@@ -36,6 +37,9 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 1
 # 0.0 is its own bucket: "recall 0" (retrieved nothing useful) is the case alerts care about.
 RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 DOCUMENT_BUCKETS = (0, 1, 2, 3, 4, 5, 8, 10, 15, 20, 30, 50)
+# A trace's cost in USD: a cached one-call answer costs a hundredth of a cent, a multi-step agent on a
+# frontier model dollars.
+COST_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 PROCESSING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                       1.0, 2.5, 5.0)
 
@@ -98,8 +102,8 @@ class AppLabelLimiter:
 class _AppSeries:
     """The label children of one app, resolved once: `labels()` takes a lock and hashes every call."""
 
-    __slots__ = ("app", "docs", "errors", "exemplar_due", "input_tokens", "latency", "ok", "output_tokens",
-                 "ratios")
+    __slots__ = ("app", "cost", "docs", "errors", "exemplar_due", "input_tokens", "latency", "ok",
+                 "output_tokens", "ratios", "trace_cost")
 
     def __init__(self, exp: PrometheusExporter, app: str) -> None:
         self.app = app
@@ -112,6 +116,8 @@ class _AppSeries:
         self.output_tokens = exp.tokens.labels(app, "output")
         self.docs = exp.retrieved_documents.labels(app)
         self.ratios: dict[str, Histogram] = {}
+        self.cost = exp.cost_usd.labels(app)
+        self.trace_cost = exp.trace_cost.labels(app)
 
 
 class PrometheusExporter(ConsumerMetrics):
@@ -145,6 +151,18 @@ class PrometheusExporter(ConsumerMetrics):
                                       ["app", "metric"], buckets=RATIO_BUCKETS, registry=r)
         self.metric_errors = Counter("tracejudge_metric_errors", "Computed metrics that raised for a "
                                      "record (the result carries the error).", ["metric"], registry=r)
+        # -- what the traces cost (tracejudge.metrics.cost) ---------------------------------------
+        self.cost_usd = Counter("tracejudge_cost_usd", "What evaluated traces cost the agent in USD, "
+                                "stated by the trace or priced from its per-model usage.", ["app"],
+                                registry=r)
+        self.trace_cost = Histogram("tracejudge_trace_cost_usd", "Cost per trace in USD (traces whose "
+                                    "cost is known).", ["app"], buckets=COST_BUCKETS, registry=r)
+        self.cost_unknown = Counter("tracejudge_cost_unknown", "Traces whose cost is unknown, by reason: "
+                                    "no_usage, unnamed_model (usage with no model named), unknown_model "
+                                    "(not in the price table).", ["reason"], registry=r)
+        self.cost_ignored = Counter("tracejudge_cost_ignored", "Stated costs or token counts set aside as "
+                                    "bad input (negative, not a number, absurd), by reason.", ["reason"],
+                                    registry=r)
         self.app_overflow = Counter("tracejudge_app_label_overflow", "Records whose app was exported "
                                     "as 'other' because the distinct-app cap was reached.", registry=r)
         self.apps = AppLabelLimiter(max_apps, self.app_overflow)
@@ -233,8 +251,18 @@ class PrometheusExporter(ConsumerMetrics):
             if child is None:
                 child = s.ratios[name] = self.metric_value.labels(s.app, name)
             child.observe(value)
-        for name in result.metric_errors:
-            self.metric_errors.labels(name).inc()
+        cost = rec.cost
+        if cost is not None:
+            if cost.source != "unknown" and cost.total is not None:
+                s.cost.inc(cost.total)
+                s.trace_cost.observe(cost.total)
+            elif cost.source == "unknown":
+                self.cost_unknown.labels(unknown_reason(rec)).inc()
+        for name, error in result.metric_errors.items():
+            if name == COST_ERROR_KEY:
+                self.cost_ignored.labels(ignored_reason(error)).inc()
+            else:
+                self.metric_errors.labels(name).inc()
 
     def count_ok(self, topic: str) -> None:
         child = self._ok_by_topic.get(topic)

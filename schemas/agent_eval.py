@@ -93,6 +93,9 @@ def normalise_agent_eval(obj: Mapping[str, Any], *, app_tag: str | None = None,
     if row.reference_trajectory is not None:
         stated.reference_trajectory = [ToolCall(step.tool_name, step.tool_input or None)
                                        for step in row.reference_trajectory]
+    if row.expected_tool_calls is not None:
+        # Arguments kept as given: {} (expected without arguments) differs from None (not checked).
+        stated.reference_trajectory = [ToolCall(c.name, c.arguments) for c in row.expected_tool_calls]
 
     trace_obj = row.trace
     if trace_obj is None:

@@ -15,6 +15,7 @@ A field that cannot be derived is None, never guessed.
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 from collections.abc import Iterable, Mapping
 from operator import attrgetter
@@ -23,7 +24,8 @@ from typing import Any
 import msgspec
 import orjson
 
-from tracejudge.schemas.record import EvalRecord, ToolCall
+from tracejudge.schemas.conventions import MLFLOW_TRACE_COST, span_cost, span_model, stated_cost_parts
+from tracejudge.schemas.record import Cost, EvalRecord, ToolCall
 from tracejudge.schemas.trace import Document, Span, SpanKind, SpanStatus, TokenUsage, Trace
 
 __all__ = [
@@ -33,10 +35,13 @@ __all__ = [
     "documents_from_output",
     "json_text",
     "merge",
+    "model_calls",
+    "model_usage_and_cost",
     "request_text",
     "response_text",
     "sum_token_usage",
     "top_level_retrievers",
+    "usage_spans",
 ]
 
 # Enum member lookups cost ~140 ns each on Python 3.11; per-span loops use these.
@@ -335,13 +340,11 @@ def _add(a: int | None, b: int | None) -> int | None:
     return a if b is None else a + b
 
 
-def sum_token_usage(spans: list[Span]) -> TokenUsage | None:
-    """Usage summed over the spans that state it, each model call counted once.
-
-    A depth-first walk from the roots that does not descend below a span with its own usage: a
-    wrapper span that rolls up its inner model call's usage is counted, the inner call is not
-    (MLflow's `aggregate_usage_from_spans` does the same).
-    """
+def usage_spans(spans: list[Span]) -> list[Span]:
+    """The spans whose usage counts, each model call once: a depth-first walk from the roots that
+    does not descend below a span with its own usage, so a wrapper span that rolls up its inner
+    model call's usage is counted and the inner call is not (MLflow's `aggregate_usage_from_spans`
+    does the same)."""
     ids = {s.span_id for s in spans}
     children: dict[str, list[Span]] = {}
     stack: list[Span] = []
@@ -350,23 +353,108 @@ def sum_token_usage(spans: list[Span]) -> TokenUsage | None:
             children.setdefault(span.parent_id, []).append(span)
         else:
             stack.append(span)
-    total: TokenUsage | None = None
+    counted: list[Span] = []
     seen: set[int] = set()
     while stack:
         span = stack.pop()
         if id(span) in seen:  # duplicate span ids can make a node reachable twice
             continue
         seen.add(id(span))
-        usage = span.token_usage
-        if usage is not None:
-            if total is None:
-                total = TokenUsage(usage.input, usage.output, usage.total)
-            else:
-                total = TokenUsage(_add(total.input, usage.input), _add(total.output, usage.output),
-                                   _add(total.total, usage.total))
+        if span.token_usage is not None:
+            counted.append(span)
             continue
         stack.extend(children.get(span.span_id, ()))
+    return counted
+
+
+def _usage_sum(counted: list[Span]) -> TokenUsage | None:
+    total: TokenUsage | None = None
+    for span in counted:
+        usage = span.token_usage
+        if usage is None:
+            continue
+        if total is None:
+            total = TokenUsage(usage.input, usage.output, usage.total)
+        else:
+            total = TokenUsage(_add(total.input, usage.input), _add(total.output, usage.output),
+                               _add(total.total, usage.total))
     return total.with_total() if total is not None else None
+
+
+def sum_token_usage(spans: list[Span]) -> TokenUsage | None:
+    """Usage summed over the spans that state it, each model call counted once (`usage_spans`)."""
+    return _usage_sum(usage_spans(spans))
+
+
+# One counted model call as cost reads it: (model, usage, stated cost (input, output, total)).
+CostParts = tuple[float | None, float | None, float | None]
+ModelCall = tuple[str | None, TokenUsage | None, CostParts | None]
+
+
+def model_calls(counted: list[Span]) -> list[ModelCall]:
+    """The model, usage and stated cost of each counted model call (`usage_spans`)."""
+    return [(span_model(attrs), span.token_usage, span_cost(attrs)) if (attrs := span.attributes)
+            else (None, span.token_usage, None) for span in counted]
+
+
+def one_model_calls(calls: list[ModelCall], tokens: TokenUsage | None) -> list[ModelCall]:
+    """For a trace that states its usage (`tokens`): when every counted call names the same model and
+    none states a cost, that model's usage is the trace's (MLflow's trace-level roll-up sums the same
+    calls), one call; else the calls as they are. Both MLflow readers apply it, so they agree."""
+    model = calls[0][0]
+    for m, _, stated in calls:
+        if m != model or stated is not None:
+            return calls
+    return [(model, tokens, None)]
+
+
+def model_usage_and_cost(calls: list[ModelCall]) -> tuple[dict[str, TokenUsage] | None, Cost | None]:
+    """Per-model usage of the counted model calls (`model_calls`) that name their model, and the
+    cost they state (summed, source "stated") when every one of them states one: MLflow's
+    trace-level roll-up can be a partial sum under asynchronous logging, its spans' costs are not.
+    Values are as stated; `tracejudge.metrics.cost` checks them."""
+    if len(calls) == 1:  # the usual trace: one model call
+        model, usage, stated = calls[0]
+        return ({model: usage.with_total()} if model is not None and usage is not None else None,
+                None if stated is None else _stated(stated))
+    sums: dict[str, list[int | None]] | None = None
+    costs: list[CostParts] = []
+    every_cost = True
+    for model, usage, stated in calls:
+        if model is not None and usage is not None:
+            i, o, t = usage.input, usage.output, usage.total
+            if t is None and i is not None and o is not None:
+                t = i + o
+            if sums is None:
+                sums = {}
+            had = sums.get(model)
+            if had is None:
+                sums[model] = [i, o, t]
+            else:
+                had[0], had[1], had[2] = _add(had[0], i), _add(had[1], o), _add(had[2], t)
+        if stated is None:
+            every_cost = False
+        elif every_cost:
+            costs.append(stated)
+    by_model = None if sums is None else {m: TokenUsage(*u) for m, u in sums.items()}
+    if not costs or not every_cost:
+        return by_model, None
+    if len(costs) == 1:
+        return by_model, _stated(costs[0])
+    # fsum: the same total whatever order a reader met the spans in.
+    return by_model, _stated((_fsum([c[0] for c in costs]), _fsum([c[1] for c in costs]),
+                              _fsum([c[2] for c in costs])))
+
+
+def _fsum(values: list[float | None]) -> float | None:
+    return None if None in values else math.fsum(values)  # type: ignore[arg-type]
+
+
+def _stated(parts: tuple[float | None, float | None, float | None]) -> Cost:
+    inp, out, total = parts
+    if total is None and inp is not None and out is not None:
+        total = inp + out
+    return Cost(inp, out, total, source="stated")
 
 
 # --------------------------------------------------------------------------------------------
@@ -403,6 +491,23 @@ def _tool_calls(value: Any) -> list[ToolCall] | None:
     return calls
 
 
+def _expected_tool_calls(value: Any) -> list[ToolCall] | None:
+    """MLflow's `expected_tool_calls` [{name, arguments?}] as ToolCalls (arguments None when not
+    given). All or nothing: one malformed entry drops the expectation, so a tool-call judge reports
+    it missing rather than judging against part of it."""
+    if not isinstance(value, list):
+        return None
+    calls = []
+    for call in value:
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        arguments = call.get("arguments")
+        if arguments is not None and not isinstance(arguments, dict):
+            return None
+        calls.append(ToolCall(call["name"], arguments))
+    return calls
+
+
 def apply_expectations(record: EvalRecord, expectations: Mapping[str, Any]) -> None:
     """Fill the expected_* fields of `record` from an expectations mapping (MLflow's names)."""
     if not expectations:
@@ -418,6 +523,8 @@ def apply_expectations(record: EvalRecord, expectations: Mapping[str, Any]) -> N
         record.expected_retrieved_context = expected_documents(expectations["expected_retrieved_context"])
     if "reference_trajectory" in expectations:
         record.reference_trajectory = _tool_calls(expectations["reference_trajectory"])
+    if "expected_tool_calls" in expectations:
+        record.reference_trajectory = _expected_tool_calls(expectations["expected_tool_calls"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -652,18 +759,26 @@ def derive(trace: Trace) -> EvalRecord:
         elif any(s.tool_name == "finish" for s in tools):
             trajectory = [c for c, s in zip(trajectory, tools, strict=True) if not _is_dspy_finish(s)]
 
-    tokens = trace.token_usage.with_total() if trace.token_usage is not None else sum_token_usage(spans)
-    return derived_record(trace, root_span(spans), retrieved, trajectory, tokens, spans)
+    # The model calls whose usage counts: only when some span states usage (most MLflow traces'
+    # do, with the trace's own total beside them; OTLP traces state no total).
+    counted = usage_spans(spans) if any(s.token_usage is not None for s in spans) else []
+    tokens = trace.token_usage.with_total() if trace.token_usage is not None else _usage_sum(counted)
+    calls = model_calls(counted) if counted else None
+    if calls and trace.token_usage is not None:
+        calls = one_model_calls(calls, tokens)
+    return derived_record(trace, root_span(spans), retrieved, trajectory, tokens, spans, calls)
 
 
 def derived_record(trace: Trace, root: Span | None, retrieved: list[Document] | None,
                    trajectory: list[ToolCall], tokens: TokenUsage | None,
-                   spans: list[Span] | None = None) -> EvalRecord:
+                   spans: list[Span] | None = None, calls: list[ModelCall] | None = None) -> EvalRecord:
     """The record of `trace` once its spans are read: its root span (the first without a parent),
     the documents of its top-level retrievers in start order (None when it has no retriever), its
-    tool calls in start order and its token usage. `derive()` reads them from `trace.spans`; the
-    msgspec reader of MLflow JSON (`tracejudge.schemas.mlflow_wire`) gathers them while it reads
-    the spans, without building the others, and only `trace`'s other fields are read here."""
+    tool calls in start order, its token usage and the model calls whose usage counts (`calls`:
+    `model_calls(usage_spans(...))`, for the per-model usage and the cost they state). `derive()`
+    reads them from `trace.spans`; the msgspec reader of MLflow JSON
+    (`tracejudge.schemas.mlflow_wire`) gathers them while it reads the spans, without building the
+    others, and only `trace`'s other fields are read here."""
     # The duration the source states (MLflow's `execution_duration`, what its UI shows) wins over
     # the root span's own timing, which is the fallback (OTLP states none).
     latency: float | None = None
@@ -704,7 +819,14 @@ def derived_record(trace: Trace, root: Span | None, retrieved: list[Document] | 
         root_span_id=root.span_id if root is not None else None,
         session_id=trace.session_id,
         user_id=trace.user_id,
+        human_labels=trace.human_labels,
     )
+    if calls:
+        record.model_usage, record.cost = model_usage_and_cost(calls)
+    if record.cost is None and MLFLOW_TRACE_COST in trace.metadata:
+        parts = stated_cost_parts(trace.metadata[MLFLOW_TRACE_COST])
+        if parts is not None:
+            record.cost = _stated(parts)
     apply_expectations(record, trace.expectations)
     return record
 

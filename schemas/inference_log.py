@@ -163,6 +163,14 @@ def normalise_row(obj: Mapping[str, Any], *, app_tag: str | None = None,
         session_id=identity(row.session_id),
         user_id=identity(row.user_id),
     )
+    if stated.tokens is not None:
+        # The model that answered, as the response body names it, else the served entity: the
+        # record's per-model usage (tracejudge.metrics.cost prices it).
+        model = response_body.get("model") if isinstance(response_body, dict) else None
+        if not isinstance(model, str) or not model:
+            model = row.served_entity_id
+        if model:
+            stated.model_usage = {model: stated.tokens}
     tagged = identity(obj.get(session_tag)) if session_tag else None
     if tagged is None and session_tag and trace is not None:
         tagged = tagged_identity(trace, session_tag)

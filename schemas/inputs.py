@@ -322,6 +322,13 @@ class ToolStep(_Model):
     tool_input: Any = None
 
 
+class ExpectedToolCall(_Model):
+    """One of MLflow's `expected_tool_calls`: a tool name and, optionally, the arguments it must get."""
+
+    name: str
+    arguments: dict[str, Any] | None = None
+
+
 def _request_kind(value: Any) -> str | None:
     if isinstance(value, str):
         return "as text"
@@ -375,6 +382,9 @@ class AgentEvalRecord(_Model):
     # A list, or named groups {"tone": ["…"]}.
     guidelines: Guidelines | None = None
     reference_trajectory: list[ToolStep] | None = None
+    # MLflow's expectation for the tool-call judges (also read from `expectations`); it fills
+    # `EvalRecord.reference_trajectory` and wins over `reference_trajectory`.
+    expected_tool_calls: list[ExpectedToolCall] | None = None
     # An MLflow trace, as a JSON string or an object (validated by the trace parser).
     trace: Annotated[Any, _checked(str, dict, what="a JSON string or an object")] = None
     inputs: Any = None

@@ -39,7 +39,7 @@ from tracejudge.schemas.inputs import (
     hex_id,
     time_ms,
 )
-from tracejudge.schemas.record import python_json
+from tracejudge.schemas.record import HumanLabel, python_json
 from tracejudge.schemas.trace import Span, SpanKind, SpanStatus, TokenUsage, Trace
 
 __all__ = ["APP_PREFIX", "explain", "is_mlflow_trace", "parse_trace", "tagged_identity"]
@@ -52,6 +52,8 @@ SPAN_TYPE = "mlflow.spanType"
 SPAN_INPUTS = "mlflow.spanInputs"
 SPAN_OUTPUTS = "mlflow.spanOutputs"
 CHAT_USAGE = "mlflow.chat.tokenUsage"
+LLM_MODEL = "mlflow.llm.model"
+LLM_COST = "mlflow.llm.cost"
 TRACE_USAGE = "mlflow.trace.tokenUsage"
 # Trace metadata worth keeping as record tags (usable in sampling filters).
 _METADATA_TAGS = (MLFLOW_SESSION, MLFLOW_USER, "mlflow.modelId",
@@ -235,6 +237,13 @@ def _span(raw: dict[str, Any], v2: bool, ids: dict[str, str], everything: bool) 
     )
     if whole:
         span.attributes = _extra_attributes(attrs)
+    if span.token_usage is not None and (LLM_MODEL in attrs or LLM_COST in attrs):
+        # The model call's model and stated cost: the record's per-model usage and cost.
+        if not whole:
+            span.attributes = {}
+        for key in (LLM_MODEL, LLM_COST):
+            if key in attrs:
+                span.attributes[key] = _attr(attrs[key])
     if kind is _TOOL:
         span.tool_name = _tool_name(inputs)
     return span
@@ -299,6 +308,28 @@ def _expectations(assessments: Any) -> dict[str, Any]:
             if isinstance(serialized, dict) and isinstance(serialized.get("value"), str):
                 out[name] = _attr(serialized["value"])
     return out
+
+
+def human_feedback(assessments: Any) -> list[HumanLabel] | None:
+    """HUMAN feedback among MLflow assessment dicts (`Trace.to_json()`'s `info.assessments`): valid
+    feedback whose source type is HUMAN, as `HumanLabel`s (expectations and judges' feedback are not
+    labels); None when there is none. Schema 4."""
+    if not isinstance(assessments, list) or not assessments:
+        return None
+    out: list[HumanLabel] = []
+    for a in assessments:
+        if not isinstance(a, dict) or a.get("valid") is False:
+            continue
+        feedback, source = a.get("feedback"), a.get("source")
+        name = a.get("assessment_name") or a.get("name")
+        if not isinstance(feedback, dict) or "value" not in feedback or not isinstance(name, str):
+            continue
+        if not isinstance(source, dict) or source.get("source_type") != "HUMAN":
+            continue
+        source_id = source.get("source_id")
+        out.append(HumanLabel(name, feedback["value"], "HUMAN",
+                              source_id if isinstance(source_id, str) else None))
+    return out or None
 
 
 def _trace_id(value: str) -> str:
@@ -397,6 +428,7 @@ def _build_trace(raw_id: str, spans: list[Span], source_format: str, app_tag: st
         tags=tags,
         metadata=metadata,
         expectations=_expectations(assessments),
+        human_labels=human_feedback(assessments) if assessments else None,
         session_id=session,
         user_id=user,
     )

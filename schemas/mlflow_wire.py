@@ -31,7 +31,14 @@ import msgspec
 import orjson
 
 from tracejudge.schemas import errors
-from tracejudge.schemas.derive import HTTP_STATUS_KEYS, derive, derived_record, documents_from_output
+from tracejudge.schemas.conventions import span_cost, span_model
+from tracejudge.schemas.derive import (
+    HTTP_STATUS_KEYS,
+    ModelCall,
+    derive,
+    derived_record,
+    documents_from_output,
+)
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.mlflow import (
     _KINDS,
@@ -42,6 +49,8 @@ from tracejudge.schemas.mlflow import (
     _UNKNOWN,
     _UNSET,
     CHAT_USAGE,
+    LLM_COST,
+    LLM_MODEL,
     SPAN_INPUTS,
     SPAN_OUTPUTS,
     SPAN_TYPE,
@@ -56,7 +65,7 @@ from tracejudge.schemas.mlflow import (
     parse_trace,
 )
 from tracejudge.schemas.record import EvalRecord, ToolCall
-from tracejudge.schemas.trace import Document, Span, SpanKind, Trace
+from tracejudge.schemas.trace import Document, Span, SpanKind, TokenUsage, Trace
 
 __all__ = ["derive_canonical_json", "parse_canonical_json", "parse_trace_json"]
 
@@ -120,6 +129,8 @@ _WireAttributes = msgspec.defstruct("_WireAttributes", [
     ("inputs", msgspec.Raw, msgspec.field(name=SPAN_INPUTS, default=None)),
     ("outputs", msgspec.Raw, msgspec.field(name=SPAN_OUTPUTS, default=None)),
     ("usage", msgspec.Raw, msgspec.field(name=CHAT_USAGE, default=None)),
+    ("model", msgspec.Raw, msgspec.field(name=LLM_MODEL, default=None)),
+    ("cost", msgspec.Raw, msgspec.field(name=LLM_COST, default=None)),
     *((name, msgspec.Raw, msgspec.field(name=key, default=None)) for name, key in _HTTP_FIELDS),
 ], gc=False)
 
@@ -163,6 +174,16 @@ _DOCUMENTS_DECODER = msgspec.json.Decoder(list[_WireDocument])
 # string holding an attribute's JSON at about orjson's speed without that toll.
 _STRING_DECODER = msgspec.json.Decoder(str)
 
+
+class _WireUsage(msgspec.Struct, gc=False):
+    # `mlflow.chat.tokenUsage` as MLflow writes it; anything else is read by `_usage`.
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    total_tokens: int | None = None
+
+
+_USAGE_DECODER = msgspec.json.Decoder(_WireUsage)
+
 # What the wire structs reject, or what the checks after them raise: the general reader decides.
 _NOT_READ = (msgspec.DecodeError, UnicodeError, _NotCanonical, _Malformed, KeyError, TypeError, ValueError,
              AttributeError, IndexError, OverflowError, RecursionError)
@@ -179,6 +200,18 @@ def _raw_attr(raw: msgspec.Raw) -> Any:
     except msgspec.ValidationError:  # not a string: a value set directly on the span, kept as is
         return orjson.loads(memoryview(raw))
     return _attr(text)
+
+
+def _span_usage(raw: msgspec.Raw) -> TokenUsage | None:
+    """`_usage(_raw_attr(raw))`, typed by msgspec for the shape MLflow writes (integers or null)."""
+    try:
+        wire = _USAGE_DECODER.decode(_STRING_DECODER.decode(raw))
+    except msgspec.DecodeError:
+        return _usage(_raw_attr(raw))
+    inp, out, total = wire.input_tokens, wire.output_tokens, wire.total_tokens
+    if inp is None and out is None and total is None:
+        return None
+    return TokenUsage(inp, out, total)
 
 
 def _raw_documents(raw: msgspec.Raw) -> list[Document]:
@@ -250,11 +283,83 @@ def _root_span(raw: _WireSpan, kind: SpanKind, span_id: str) -> Span:
     return span
 
 
-def _lean_parts(spans_raw: list[_WireSpan]) -> tuple[Span | None, list[Document] | None, list[ToolCall]]:
+def _usage_attributes(span: Span, attrs: Any) -> None:
+    """A model call's `mlflow.llm.model` and `mlflow.llm.cost`, as the general reader keeps them."""
+    model, cost = attrs.model, attrs.cost
+    if model is not None or cost is not None:
+        if model is not None:
+            span.attributes[LLM_MODEL] = _raw_attr(model)
+        if cost is not None:
+            span.attributes[LLM_COST] = _raw_attr(cost)
+
+
+# `mlflow.llm.model` as written (a JSON string holding a JSON string) -> the model name: a stream
+# names few models, so each is decoded once.
+_MODEL_NAMES: dict[bytes, str | None] = {}
+_NO_NAME: Any = object()
+
+
+def _model_call(usage: TokenUsage, attrs: Any) -> ModelCall:
+    """A counted model call as `derive.model_calls` reads it from the general reader's span."""
+    model_raw, cost_raw = attrs.model, attrs.cost
+    model = None
+    if model_raw is not None:
+        key = bytes(model_raw)
+        if key in _MODEL_NAMES:
+            model = _MODEL_NAMES[key]
+        else:
+            model = span_model({LLM_MODEL: _raw_attr(model_raw)})
+            if len(_MODEL_NAMES) < 1024:
+                _MODEL_NAMES[key] = model
+    return model, usage, None if cost_raw is None else span_cost({LLM_COST: _raw_attr(cost_raw)})
+
+
+def _below(parent: bytes | None, spans: set[bytes], parents: dict[bytes, bytes | None]) -> bool:
+    """Whether `parent` or one of its ancestors is in `spans` (parents are listed before children)."""
+    while parent is not None:
+        if parent in spans:
+            return True
+        parent = parents.get(parent)
+    return False
+
+
+def _lean_calls(with_usage: list[tuple[bytes, bytes | None, Any]],
+                spans_raw: list[_WireSpan]) -> list[ModelCall] | str | None:
+    """The counted model calls (`derive.usage_spans`) of the spans that state usage, in the order
+    listed (parents before children). When every one of them names the same `mlflow.llm.model` and
+    none states a cost, the trace's own usage is that model's (`derive.one_model_calls`): returns
+    the model's name (None when they name none) without decoding every call's usage, which is most
+    of this reader's work on a trace with many model calls."""
+    first = with_usage[0][2]
+    model_raw = first.model
+    # The first span that states usage has no ancestor that does: counted when its usage is.
+    if (first.cost is None and (len(with_usage) == 1 or all(a.model == model_raw and a.cost is None
+                                                             for _, _, a in with_usage))
+            and _span_usage(first.usage) is not None):
+        if model_raw is None:
+            return None
+        name = _MODEL_NAMES.get(bytes(model_raw), _NO_NAME)
+        return _model_call(TokenUsage(), first)[0] if name is _NO_NAME else name
+    parents = {raw.span_id: raw.parent_span_id for raw in spans_raw}
+    counted_ids: set[bytes] = set()
+    counted: list[ModelCall] = []
+    for sid, parent, attrs in with_usage:
+        if counted_ids and _below(parent, counted_ids, parents):
+            continue
+        usage = _span_usage(attrs.usage)
+        if usage is not None:
+            counted_ids.add(sid)
+            counted.append(_model_call(usage, attrs))
+    return counted
+
+
+def _lean_parts(spans_raw: list[_WireSpan]) -> tuple[Span | None, list[Document] | None, list[ToolCall],
+                                                     list[ModelCall] | str | None]:
     """`derived_record`'s parts of a trace that states its usage: the root `Span`, the documents of
-    the top-level retrievers and the tool calls, in start order; every span is checked as the
-    general reader checks it. Raises `_NotLean` for span lists whose retriever nesting cannot be
-    told in one pass, `_NotCanonical` for what the general reader must read."""
+    the top-level retrievers and the tool calls, in start order, and the model calls whose usage
+    counts (`derive.usage_spans`); every span is checked as the general reader checks it. Raises
+    `_NotLean` for span lists whose retriever nesting cannot be told in one pass, `_NotCanonical` for
+    what the general reader must read."""
     # The stream's hottest loop: most spans need nothing past the kind check.
     raw_kinds, unknown, tool, retriever, no_events = _RAW_KINDS, _UNKNOWN, _TOOL, _RETRIEVER, _NO_EVENTS
     seen: set[bytes] = set()
@@ -264,6 +369,8 @@ def _lean_parts(spans_raw: list[_WireSpan]) -> tuple[Span | None, list[Document]
     root: Span | None = None
     tools: list[tuple[int, ToolCall]] = []
     retrievers: list[tuple[int, list[Document]]] = []
+    # The spans that state usage (span id, parent id, attributes); `_lean_calls` reads them.
+    with_usage: list[tuple[bytes, bytes | None, Any]] = []
     try:
         for raw in spans_raw:
             sid = raw.span_id
@@ -278,6 +385,8 @@ def _lean_parts(spans_raw: list[_WireSpan]) -> tuple[Span | None, list[Document]
             kind = unknown if kind_raw is None else raw_kinds.get(kind_raw)
             if kind is None:
                 kind = _kind_of(kind_raw)
+            if attrs.usage is not None:
+                with_usage.append((sid, parent, attrs))
             if parent is None and root is None:  # the root `derive()` reads: the first without a parent
                 root = _root_span(raw, kind, sid.hex())
                 if kind is tool:
@@ -303,6 +412,7 @@ def _lean_parts(spans_raw: list[_WireSpan]) -> tuple[Span | None, list[Document]
                 inputs = None if attrs.inputs is None else _tool_inputs(attrs.inputs)
                 name = _tool_name(inputs) if type(inputs) is dict and "call" in inputs else None
                 tools.append((raw.start_time_unix_nano, ToolCall(name or raw.name, inputs or None)))
+        counted = _lean_calls(with_usage, spans_raw) if with_usage else []
     except (_Malformed, KeyError, TypeError, ValueError, RecursionError):
         raise _NotCanonical from None
     retrieved = None
@@ -312,10 +422,10 @@ def _lean_parts(spans_raw: list[_WireSpan]) -> tuple[Span | None, list[Document]
         retrieved = [document for _, documents in retrievers for document in documents]
     if len(tools) > 1:
         tools.sort(key=_start)
-    return root, retrieved, [call for _, call in tools]
+    return root, retrieved, [call for _, call in tools], counted
 
 
-def _spans(spans_raw: list[_WireSpan], span_usage: bool) -> list[Span]:
+def _spans(spans_raw: list[_WireSpan]) -> list[Span]:
     """Every span, as the general reader with `everything=False` builds it but for what
     `parse_canonical_json` documents."""
     # The struct types already hold the checks the general reader makes with `type()`; what they
@@ -365,8 +475,10 @@ def _spans(spans_raw: list[_WireSpan], span_usage: bool) -> list[Span]:
                             span.tool_name = _tool_name(inputs)
                 elif kind is retriever and attrs.outputs is not None:
                     span.documents = _raw_documents(attrs.outputs)
-            if span_usage and attrs.usage is not None:
-                span.token_usage = _usage(_raw_attr(attrs.usage))
+            if attrs.usage is not None:
+                span.token_usage = _span_usage(attrs.usage)
+                if span.token_usage is not None:
+                    _usage_attributes(span, attrs)
     except (_Malformed, KeyError, TypeError, ValueError, RecursionError):
         raise _NotCanonical from None
     return spans
@@ -427,14 +539,17 @@ def derive_canonical_json(payload: bytes | str, *, app_tag: str | None = None,
         if usage is not None:
             with contextlib.suppress(_NotLean):
                 parts = _lean_parts(wire.data.spans)
-        spans = [] if parts is not None else _spans(wire.data.spans, usage is None)
+        spans = [] if parts is not None else _spans(wire.data.spans)
         trace = _trace(info, spans, app_tag, usage, session_tag)
     except _NOT_READ:
         return None
     if parts is None:
         return derive(trace)
-    root, retrieved, trajectory = parts
-    return derived_record(trace, root, retrieved, trajectory, usage.with_total())
+    root, retrieved, trajectory, counted = parts
+    tokens = usage.with_total()
+    if not isinstance(counted, list):  # one model for every call: the trace's usage is its usage
+        counted = [(counted, tokens, None)]
+    return derived_record(trace, root, retrieved, trajectory, tokens, calls=counted or None)
 
 
 def parse_canonical_json(payload: bytes | str, *, app_tag: str | None = None,
@@ -445,15 +560,15 @@ def parse_canonical_json(payload: bytes | str, *, app_tag: str | None = None,
 
     It equals `parse_trace(orjson.loads(payload), everything=False)` but in what derivation does
     not read: a non-root retriever's documents are in `Span.documents` and its `Span.outputs` is
-    left None, the root's `attributes` hold only its HTTP status, and when the trace states its
-    token usage the spans' `token_usage` is left None.
+    left None, and the root's `attributes` hold only its HTTP status (and the `mlflow.llm.model` and
+    `mlflow.llm.cost` of a root that is a model call, as every span's).
     """
     wire = _decode(payload)
     if wire is None:
         return None
     try:
         usage = _stated_usage(wire.info.trace_metadata)
-        return _trace(wire.info, _spans(wire.data.spans, usage is None), app_tag, usage, session_tag)
+        return _trace(wire.info, _spans(wire.data.spans), app_tag, usage, session_tag)
     except _NOT_READ:
         return None
 

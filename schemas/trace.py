@@ -115,3 +115,5 @@ class Trace(msgspec.Struct, gc=False):
     # metadata, span attributes, or the tag `stream.session_tag` names): `EvalRecord.session_id`.
     session_id: str | None = None
     user_id: str | None = None
+    # People's verdicts on the trace (MLflow HUMAN feedback): `HumanLabel`s (`EvalRecord.human_labels`).
+    human_labels: list[Any] | None = None

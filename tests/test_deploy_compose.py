@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from support.deploy_files import COMPOSE, DASHBOARDS, ROOT, load_yaml, tool
+from support.deploy_files import COMPOSE, DASHBOARDS, ROOT, load_yaml, rule_groups, tool
 from support.prometheus_stack import free_port, wait_until
 
 SERVICES = {"kafka", "kafka-init", "otel-collector", "jaeger", "mlflow", "tracejudge", "tracejudge-sessions",
@@ -98,7 +98,8 @@ def test_prometheus_config_passes_promtool_with_the_shipped_rules(tmp_path: Path
     result = subprocess.run([tool("promtool"), "check", "config", str(path)], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 17 rules found" in result.stdout  # the rule file was found through the glob
+    rules = sum(len(group["rules"]) for group in rule_groups())
+    assert f"SUCCESS: {rules} rules found" in result.stdout  # the rule file was found through the glob
 
 
 def test_prometheus_keeps_exemplars_and_scrapes_the_stack() -> None:

@@ -7,8 +7,10 @@ from prometheus_client.metrics import MetricWrapperBase
 from support.deploy_files import RUN_METRICS, SESSION_JUDGE_METRICS, SESSION_STAGE_METRICS, SINK_METRICS
 
 from tracejudge.metrics.assembly_metrics import AssemblyMetrics
+from tracejudge.metrics.cost import JudgeCostMetrics
 from tracejudge.metrics.judge_metrics import JudgeMetrics
 from tracejudge.metrics.prometheus import PrometheusExporter
+from tracejudge.metrics.trust_metrics import TrustMetrics
 
 
 def families(*owners: object) -> dict[str, tuple[str, tuple[str, ...]]]:
@@ -24,7 +26,8 @@ def families(*owners: object) -> dict[str, tuple[str, tuple[str, ...]]]:
 
 def exported() -> dict[str, tuple[str, tuple[str, ...]]]:
     registry = CollectorRegistry()
-    return families(PrometheusExporter(registry), JudgeMetrics(registry), AssemblyMetrics(registry))
+    return families(PrometheusExporter(registry), JudgeMetrics(registry), AssemblyMetrics(registry),
+                    TrustMetrics(registry), JudgeCostMetrics(registry))
 
 
 def test_every_contract_metric_is_exported_with_its_labels() -> None:

@@ -55,7 +55,8 @@ def test_rule_file_passes_promtool_check() -> None:
 def test_the_seven_alerts_exist_with_severity_and_annotations() -> None:
     assert sorted(ALERT_NAMES) == sorted(["GroundednessDropped", "JudgeErrorsHigh", "EvaluationsMissing",
                                           "ConsumerLagHigh", "DeadLettersRising", "WriteBackLagging",
-                                          "UserFrustrationRising"])
+                                          "UserFrustrationRising", "JudgeDisagreesWithHumans",
+                                          "JudgeCanaryFailing", "JudgeSpendNearCap"])
     for alert in alerts():
         name = alert["alert"]
         assert alert["labels"]["severity"] in ("critical", "warning"), name
@@ -88,7 +89,7 @@ def test_greater_or_equal_is_reserved_for_minimum_volume_guards() -> None:
     text = RULES.read_text()
     assert "<=" not in text
     guards = [line for line in text.splitlines() if ">=" in line and not line.lstrip().startswith("#")]
-    assert len(guards) == 9
+    assert len(guards) == 11
     for line in guards:
         assert "increase" in line, f"`>=` used on something that is not a volume count: {line.strip()}"
 
@@ -135,6 +136,8 @@ def mutated_run(tmp_path: Path, alert: str, old: str, new: str) -> subprocess.Co
     ("EvaluationsMissing", ">= 50"),
     ("DeadLettersRising", ">= 20"),
     ("UserFrustrationRising", ">= 20"),
+    ("JudgeDisagreesWithHumans", ">= 30"),
+    ("JudgeCanaryFailing", ">= 10"),
 ])
 def test_dropping_a_minimum_volume_guard_fails_its_unit_test(tmp_path: Path, alert: str, guard: str) -> None:
     result = mutated_run(tmp_path, alert, guard, ">= 0")

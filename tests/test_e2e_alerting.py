@@ -116,8 +116,10 @@ def runner_config(path: Path, stub: OpenAIStub, topics: tuple[str, str], dead_le
         "otlp": {"assembly": {"quiet_period_s": 0.5, "max_wait_s": 5}},
         "metrics": {"trajectory": {"single_tool_use": tool}},
         "judges": {
+            # Priced and capped, so the Cost row's judge panels have data.
             "endpoints": {"stub": {"base_url": stub.base_url, "model": "stub", "max_retries": 0,
-                                   "breaker_failure_threshold": 100}},
+                                   "breaker_failure_threshold": 100, "usd_per_day": 1000.0,
+                                   "price": {"input_per_mtok": 0.15, "output_per_mtok": 0.6}}},
             "builtin": {"groundedness": {"provider": "heuristic", "sample_rate": 1.0},
                         "relevance_to_query": {"provider": "heuristic", "sample_rate": 1.0},
                         "safety": {"sample_rate": 1.0}},
@@ -127,11 +129,19 @@ def runner_config(path: Path, stub: OpenAIStub, topics: tuple[str, str], dead_le
     return path
 
 
+# What `tracejudge run` exports only with people's labels or a canary set configured (a calibration
+# file, human labels on traces, `judges.canary`); none is part of this test's traffic.
+NEEDS_LABELS = {"tracejudge_judge_calibration", "tracejudge_judge_calibration_stale",
+                "tracejudge_judge_agreement_total", "tracejudge_judge_labels_total",
+                "tracejudge_judge_canary_total"}
+
+
 def not_exported_here() -> set[str]:
     """The series no process of this test exports: `tracejudge sink` and `tracejudge sessions`
-    metrics (neither runs here), and the recording rules computed from them."""
+    metrics (neither runs here), those that need labels (`NEEDS_LABELS`), and the recording rules
+    computed from them."""
     promql = deploy_module("grafana/promql.py")
-    out = set(SINK_METRICS) | set(SESSION_METRICS)
+    out = set(SINK_METRICS) | set(SESSION_METRICS) | NEEDS_LABELS
     for group in rule_groups():
         for rule in group["rules"]:
             if "record" in rule and {family_of(n) for n in promql.metric_names(rule["expr"])} & out:

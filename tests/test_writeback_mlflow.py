@@ -133,7 +133,7 @@ def verdicts(chat_span: str) -> list[dict[str, Any]]:
         {"name": "relevance_to_query", "value": "no", "score": 0.0, "passed": False,
          "rationale": "The answer is about Rome.", "error": None, "skipped": None,
          "source": "llm:gpt-4.1-mini", "duration_seconds": 0.8, "judge": JUDGE, "span_id": chat_span,
-         "input_tokens": 412, "output_tokens": 38},
+         "input_tokens": 412, "output_tokens": 38, "cost_usd": 0.000122},
         {"name": "groundedness", "value": 0.75, "score": 0.75, "passed": True,
          "rationale": "3 of 4 supported.", "error": None, "skipped": None, "source": "heuristic",
          "duration_seconds": 0.001,
@@ -241,6 +241,7 @@ def test_each_assessment_becomes_one_feedback_on_its_trace(mlflow_server: Mlflow
     assert meta["mlflow.assessment.scorerName"] == "relevance_to_query"
     assert meta["mlflow.assessment.judgeInputTokens"] == "412"
     assert meta["mlflow.assessment.judgeOutputTokens"] == "38"
+    assert meta["mlflow.assessment.judgeCost"] == "0.000122"  # USD, as MLflow's own judges write it
     assert (meta["tracejudge.score"], meta["tracejudge.passed"]) == ("0", "false")
     assert meta["tracejudge.judgeVersion"] == JUDGE["version"] and meta["tracejudge.version"] == "0.1.0"
     assert (meta["tracejudge.source.topic"], meta["tracejudge.source.partition"],

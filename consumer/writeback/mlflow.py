@@ -20,6 +20,7 @@ What one assessment becomes:
 | `judge` {endpoint, model}, `source` "llm:<model>" | `LLM_JUDGE`, `source_id` `<endpoint>:/<model>` |
 | `source` "heuristic" | `source` `CODE`, `source_id` `tracejudge.heuristic` |
 | `input_tokens`, `output_tokens` | `mlflow.assessment.judgeInputTokens` / `judgeOutputTokens` |
+| `cost_usd` (schema 4) | `mlflow.assessment.judgeCost` (USD, as MLflow's own judges write it) |
 | `judge.version`, `sample_rate` | `tracejudge.judgeVersion`, `tracejudge.sampleRate` |
 | the result's `source` | `tracejudge.source.topic` / `.partition` / `.offset` |
 
@@ -67,6 +68,7 @@ former first trace keeps the earlier evaluation's feedback (MLflow behaves the s
   table of traces being waited for is bounded (oldest forgotten first).
 - skipped `other_experiment`: `experiment_id` is set and the trace belongs to another experiment.
 - skipped `no_trace_id`: the result names no trace (a session result: no turn names an MLflow trace).
+- skipped `shadow`: a shadow (candidate) judge's assessment (`shadow_of` set; tracejudge.metrics.shadow).
 - skipped `superseded`: a session result's feedback when a later evaluation of the session replaces it.
 - skipped `invalid_assessment`: an assessment that is not an object with a name, or with neither a
   value, a score, a verdict nor an error.
@@ -547,6 +549,9 @@ class _Mapper:
                 continue
             if a.get("skipped"):
                 continue  # the judge did not judge: nothing to show
+            if a.get("shadow_of") is not None:
+                plan.skipped["shadow"] += 1  # a candidate judge's verdict is not the app's quality
+                continue
             fb = self._assessment(a, trace_id, common)
             if fb is None:
                 plan.skipped["invalid_assessment"] += 1
@@ -596,6 +601,7 @@ class _Mapper:
         metadata = {"mlflow.assessment.scorerName": name, **common}
         for field_name, meta in (("input_tokens", "mlflow.assessment.judgeInputTokens"),
                                  ("output_tokens", "mlflow.assessment.judgeOutputTokens"),
+                                 ("cost_usd", "mlflow.assessment.judgeCost"),
                                  ("score", "tracejudge.score"), ("passed", "tracejudge.passed"),
                                  ("sample_rate", "tracejudge.sampleRate")):
             v = a.get(field_name)

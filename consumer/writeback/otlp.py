@@ -27,7 +27,8 @@ Parenting: the log record carries the result's `trace_id` and, as span id, the a
 when the judge evaluated one span, else the result's `root_span_id` (the trace's root span) when the
 result states it; without either it carries the trace id alone. A result without a 32-hex trace id
 (an inference-log row, an MLflow 2 trace) cannot be placed on a trace: its verdicts are skipped and
-counted (`tracejudge_sink_skipped_total{reason="no_trace_id"}`).
+counted (`tracejudge_sink_skipped_total{reason="no_trace_id"}`). A shadow judge's assessment
+(`shadow_of` set) is a candidate's verdict, not the app's quality: skipped, reason `shadow`.
 
 Session results (`"kind": "session"`, `SinkRecord.session`): each session judge's verdict is one event
 parented to the session's last turn: that turn's trace id and, as span id, its root span id (without
@@ -440,6 +441,9 @@ class OtlpSink(Sink):
                     continue  # a judgement that did not run has nothing to say
                 if not isinstance(a.get("name"), str) or not a["name"]:
                     report.skip("invalid_assessment")
+                    continue
+                if a.get("shadow_of") is not None:
+                    report.skip("shadow")  # a candidate judge's verdict (tracejudge.metrics.shadow)
                     continue
                 if trace_hex is None:
                     report.skip("no_trace_id")

@@ -264,8 +264,94 @@ def quality() -> Json:
                        "JudgeErrorsHigh fires above 10% with at least 20 calls in 15 minutes.",
                        [target(f"judge:tracejudge_judge_errors:ratio15m{{{judge_only}}}", "{{judge}}")],
                        ratio=True),
+            *judge_trust(),
+            *cost(),
             *conversations(),
         ])
+
+
+def judge_trust() -> list[Json]:
+    """The Judge trust row of the quality dashboard: observed vs corrected pass rates, calibration and
+    its staleness, agreement with human labels, canaries (README "Trusting the judges")."""
+    sel, judge_only = 'app=~"$app", judge=~"$judge"', 'judge=~"$judge"'
+    pair = "{{app}} · {{judge}}"
+    calibration = "tracejudge_judge_calibration"
+    return [
+        row("Judge trust"),
+        timeseries("Pass rate (1h): observed vs corrected for the judge's error",
+                   "Observed: the judge's verdicts. Corrected: Rogan–Gladen with the judge's calibrated TPR "
+                   "and TNR (app_judge:tracejudge_judge_pass_corrected:ratio1h); absent without a "
+                   "calibration on enough labels, for a stale one, or a judge no better than chance.",
+                   [target(f"app_judge:tracejudge_judge_pass:ratio1h{{{sel}}}", pair + " observed"),
+                    target(f"app_judge:tracejudge_judge_pass_corrected:ratio1h{{{sel}}}",
+                           pair + " corrected")],
+                   ratio=True),
+        timeseries("Calibration stale (1 = re-run tracejudge calibrate)",
+                   "1 when the judge's configuration (its fingerprint) changed since it was calibrated: "
+                   "its corrected pass rate is withheld.",
+                   [target(f"max by (judge) (tracejudge_judge_calibration_stale{{{judge_only}}})",
+                           "{{judge}} stale")],
+                   unit="none"),
+        timeseries("Calibration: TPR, TNR, kappa (labels on the right)",
+                   "What tracejudge calibrate measured against human labels (judges.calibration_file).",
+                   [target(f'max by (judge, stat) ({calibration}{{{judge_only}, stat=~"tpr|tnr|kappa"}})',
+                           "{{judge}} · {{stat}}"),
+                    target(f'max by (judge) ({calibration}{{{judge_only}, stat=~"n"}})',
+                           "{{judge}} · labels")],
+                   ratio=True, overrides=[right_axis("B", "short")]),
+        timeseries("Agreement with human labels (1d)",
+                   "Share of human labels agreeing with the judge's verdict on the same trace; "
+                   "JudgeDisagreesWithHumans fires under 70% on at least 30 labels.",
+                   [target(f"app_judge:tracejudge_judge_agreement:ratio1d{{{sel}}}", pair),
+                    target(f"app_judge:tracejudge_judge_agreement:increase1d{{{sel}}}", pair + " labels")],
+                   ratio=True, overrides=[right_axis("B", "short")]),
+        timeseries("Human labels by outcome",
+                   "Labels taken in: matched with a verdict, unmatched (no verdict in the window), for an "
+                   "unknown judge, invalid.",
+                   [target(sum_rate("tracejudge_judge_labels_total", "outcome"), "{{outcome}}"),
+                    target(sum_rate("tracejudge_judge_agreement_total", "judge, outcome", sel),
+                           "{{judge}} · {{outcome}}")],
+                   unit="reqps"),
+        timeseries("Canaries: disagreement with known answers (1h)",
+                   "JudgeCanaryFailing fires above 20% on at least 10 canaries: the judge itself changed.",
+                   [target(f"judge:tracejudge_judge_canary_disagree:ratio1h{{{judge_only}}}", "{{judge}}"),
+                    target(sum_rate("tracejudge_judge_canary_total", "judge, outcome", judge_only),
+                           "{{judge}} · {{outcome}}")],
+                   ratio=True, overrides=[right_axis("B", "reqps")]),
+    ]
+
+
+def cost() -> list[Json]:
+    """The Cost row of the quality dashboard: what the agent's traces and the judges cost, and how much
+    of each judge endpoint's hard spend cap is left (README "What it costs: agent and judges")."""
+    app, judge_only = 'app=~"$app"', 'judge=~"$judge"'
+    return [
+        row("Cost"),
+        timeseries("Agent cost per hour by app",
+                   "What the evaluated traces cost the agent, in USD per hour: the cost each trace states "
+                   "(MLflow) or its per-model tokens x the model's price. Traces of unknown cost are not "
+                   "in it (tracejudge_cost_unknown_total counts them by reason).",
+                   [target(f"{sum_rate('tracejudge_cost_usd_total', 'app', app)} * 3600", "{{app}}")],
+                   unit="currencyUSD"),
+        timeseries("Agent cost per 1,000 traces",
+                   "Mean cost of a trace of known cost, times 1,000, per app.",
+                   [target(f"1000 * {histogram_mean('tracejudge_trace_cost_usd', 'app', app)}", "{{app}}")],
+                   unit="currencyUSD"),
+        timeseries("Judge cost per hour by judge",
+                   "What judging costs, in USD per hour: each judgement's reported usage x the judge "
+                   "model's price (or the endpoint's configured price).",
+                   [target(f"{sum_rate('tracejudge_judge_cost_usd_total', 'judge', judge_only)} * 3600",
+                           "{{judge}}")],
+                   unit="currencyUSD"),
+        timeseries("Judge spend cap: remaining vs cap",
+                   "USD each judge endpoint's hard cap (usd_per_hour / usd_per_day, per process) still "
+                   "allows; judgements over it are skipped (budget). JudgeSpendNearCap fires at 80% spent.",
+                   [target("min by (endpoint, window) (tracejudge_judge_budget_remaining_usd)",
+                           "{{endpoint}} · {{window}} remaining"),
+                    target("max by (endpoint, window) (tracejudge_judge_budget_cap_usd)",
+                           "{{endpoint}} · {{window}} cap")],
+                   unit="currencyUSD"),
+    ]
 
 
 def conversations() -> list[Json]:

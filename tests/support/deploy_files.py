@@ -118,6 +118,26 @@ RUN_METRICS: dict[str, Family] = {
     "tracejudge_assembly_spans_held": Family("gauge", (), "Spans held in memory by trace assembly."),
     "tracejudge_assembly_traces_emitted_total": Family("counter", ("reason",),
                                                        "Assembled traces emitted, by why."),
+    # Judge trust (metrics/trust_metrics.py); `tracejudge agreement` exports the last two as well.
+    "tracejudge_judge_calibration": Family("gauge", ("judge", "stat"),
+                                           "Calibration file stats; stat tpr, tnr, kappa, n."),
+    "tracejudge_judge_calibration_stale": Family("gauge", ("judge",),
+                                                 "1: the judge's fingerprint is not its calibration's."),
+    "tracejudge_judge_agreement_total": Family("counter", ("app", "judge", "outcome"),
+                                               "Human labels vs verdicts; outcome agree or disagree."),
+    "tracejudge_judge_labels_total": Family("counter", ("outcome",),
+                                            "Human labels taken in, by outcome."),
+    # Canaries (metrics/canary.py); the JudgeCanaryFailing alert reads them.
+    "tracejudge_judge_canary_total": Family("counter", ("judge", "outcome"),
+                                            "Canary judgements; outcome agree, disagree or error."),
+    # Cost (metrics/cost.py): the Cost row and JudgeSpendNearCap read them.
+    "tracejudge_cost_usd_total": Family("counter", ("app",), "What traces cost the agent, USD."),
+    "tracejudge_trace_cost_usd": Family("histogram", ("app",), "Cost per trace (known cost), USD."),
+    "tracejudge_judge_cost_usd_total": Family("counter", ("judge",), "What judgements cost, USD."),
+    "tracejudge_judge_budget_remaining_usd": Family("gauge", ("endpoint", "window"),
+                                                    "USD an endpoint's spend cap still allows."),
+    "tracejudge_judge_budget_cap_usd": Family("gauge", ("endpoint", "window"),
+                                              "An endpoint's spend cap, USD (per process)."),
 }
 
 # Exported by `tracejudge sink <kind>` (the write-back runtime and its sinks), not by `tracejudge run`.
