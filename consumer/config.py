@@ -97,6 +97,20 @@ def _split_list(v: Any) -> Any:
     return v
 
 
+def _optional_topic(v: str | None) -> str | None:
+    """An optional topic key (results, dead letters, sessions, labels): a valid Kafka topic name;
+    "" means unset."""
+    if v is not None and (not _TOPIC_NAME.match(v) or v in (".", "..")):
+        raise ValueError(f"{v!r} is not a valid Kafka topic name")
+    return v or None
+
+
+def _group_id(v: str | None) -> str | None:
+    if v is not None and not v.strip():
+        raise ValueError("must not be empty")
+    return v
+
+
 class TopicSpec(Section):
     """A topic to consume and the format of its records (`auto` detects per record)."""
 
@@ -343,12 +357,7 @@ class StreamSettings(Section):
             raise ValueError(f'expected "auto" or a number of worker processes from 0 to 32, got {v!r}')
         return number
 
-    @field_validator("results_topic", "dead_letter_topic")
-    @classmethod
-    def _sink_topic(cls, v: str | None) -> str | None:
-        if v is not None and (not _TOPIC_NAME.match(v) or v in (".", "..")):
-            raise ValueError(f"{v!r} is not a valid Kafka topic name")
-        return v or None
+    _sink_topic = field_validator("results_topic", "dead_letter_topic")(_optional_topic)
 
     @model_validator(mode="after")
     def _coherent(self, info: ValidationInfo) -> StreamSettings:
@@ -484,19 +493,9 @@ class SinkSettings(Section):
     mlflow: dict[str, Any] | None = None
     otlp: dict[str, Any] | None = None
 
-    @field_validator("results_topic", "session_results_topic", "dead_letter_topic")
-    @classmethod
-    def _topic(cls, v: str | None) -> str | None:
-        if v is not None and (not _TOPIC_NAME.match(v) or v in (".", "..")):
-            raise ValueError(f"{v!r} is not a valid Kafka topic name")
-        return v or None
+    _topic = field_validator("results_topic", "session_results_topic", "dead_letter_topic")(_optional_topic)
 
-    @field_validator("group_id")
-    @classmethod
-    def _group(cls, v: str | None) -> str | None:
-        if v is not None and not v.strip():
-            raise ValueError("must not be empty")
-        return v
+    _group = field_validator("group_id")(_group_id)
 
     @model_validator(mode="after")
     def _coherent(self) -> SinkSettings:
@@ -556,19 +555,9 @@ class SessionsSettings(Section):
     # Closed sessions remembered (with their turns) so a late turn reopens them; 0 never reopens.
     max_closed_sessions: int = Field(default=10_000, ge=0)
 
-    @field_validator("input_topic", "results_topic", "dead_letter_topic")
-    @classmethod
-    def _topic(cls, v: str | None) -> str | None:
-        if v is not None and (not _TOPIC_NAME.match(v) or v in (".", "..")):
-            raise ValueError(f"{v!r} is not a valid Kafka topic name")
-        return v or None
+    _topic = field_validator("input_topic", "results_topic", "dead_letter_topic")(_optional_topic)
 
-    @field_validator("group_id")
-    @classmethod
-    def _group(cls, v: str | None) -> str | None:
-        if v is not None and not v.strip():
-            raise ValueError("must not be empty")
-        return v
+    _group = field_validator("group_id")(_group_id)
 
 
 class AgreementSettings(Section):
@@ -586,19 +575,9 @@ class AgreementSettings(Section):
     # Verdicts and labels held waiting, each; past it the oldest is dropped (counted).
     max_pending: int = Field(default=100_000, gt=0)
 
-    @field_validator("results_topic", "labels_topic")
-    @classmethod
-    def _topic(cls, v: str | None) -> str | None:
-        if v is not None and (not _TOPIC_NAME.match(v) or v in (".", "..")):
-            raise ValueError(f"{v!r} is not a valid Kafka topic name")
-        return v or None
+    _topic = field_validator("results_topic", "labels_topic")(_optional_topic)
 
-    @field_validator("group_id")
-    @classmethod
-    def _group(cls, v: str | None) -> str | None:
-        if v is not None and not v.strip():
-            raise ValueError("must not be empty")
-        return v
+    _group = field_validator("group_id")(_group_id)
 
 
 class Settings(Section):

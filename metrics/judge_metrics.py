@@ -59,77 +59,63 @@ def _exemplar(trace_id: str | None) -> dict[str, str] | None:
     return {"trace_id": trace_id[:_EXEMPLAR_ID_MAX]} if trace_id else None
 
 
+def judge_families(m: object, registry: CollectorRegistry, prefix: str, subject: str,
+                   coverage: tuple[str, ...]) -> None:
+    """The families every judge runner exports, named `<prefix>_*`, set as attributes of `m`: verdicts,
+    score, eligible, sampled, skipped, errors, duration, tokens, requests, circuit_open, in_flight.
+    `subject` is what is judged ("trace", "session"); `coverage` the labels of the eligible, sampled
+    and skipped counters (the trace judges' carry `app`, the session judges' do not)."""
+    things = subject + "s"
+    f: dict[str, object] = {
+        "verdicts": Counter(f"{prefix}_verdicts", f"Judge verdicts on sampled {things}, by outcome.",
+                            ["app", "judge", "verdict"], registry=registry),
+        "score": Histogram(f"{prefix}_score", f"Judge scores of {things} in [0, 1] (1 = good).",
+                           ["app", "judge"], buckets=SCORE_BUCKETS, registry=registry),
+        "eligible": Counter(f"{prefix}_eligible", f"{things.capitalize()} a judge could judge (filters "
+                            "passed, inputs present).", list(coverage), registry=registry),
+        "sampled": Counter(f"{prefix}_sampled", f"Eligible {things} chosen by the judge's sample rate.",
+                           list(coverage), registry=registry),
+        "skipped": Counter(f"{prefix}_skipped", f"Judgements of {things} not run, by reason.",
+                           [*coverage, "reason"], registry=registry),
+        "errors": Counter(f"{prefix}_errors", f"Judgements of {things} that ran but gave no verdict, by "
+                          "reason.", ["judge", "reason"], registry=registry),
+        "duration": Histogram(f"{prefix}_duration_seconds", f"Wall time of one judge on one {subject}, "
+                              "retries included.", ["judge"], buckets=DURATION_BUCKETS, registry=registry),
+        "tokens": Counter(f"{prefix}_tokens", f"Tokens sent to (input) and received from (output) judge "
+                          f"endpoints by the {subject} judges.", ["judge", "direction"], registry=registry),
+        "requests": Counter(f"{prefix}_requests", f"HTTP requests of the {subject} judges to judge "
+                            "endpoints, by outcome.", ["endpoint", "outcome"], registry=registry),
+        "circuit_open": Gauge(f"{prefix}_circuit_open", f"1 while the {subject} judges' circuit breaker "
+                              "of an endpoint refuses calls.", ["endpoint"], registry=registry),
+        "in_flight": Gauge(f"{prefix}_in_flight", f"{things.capitalize()} with judgements in progress.",
+                           registry=registry),
+    }
+    for name, family in f.items():
+        setattr(m, name, family)
+
+
 class JudgeMetrics:
+    """The trace judges' series (`judge_families` with the `tracejudge_judge` prefix) and the judge
+    trust counters of canaries and shadow judges."""
+
+    verdicts: Counter
+    score: Histogram
+    eligible: Counter
+    sampled: Counter
+    skipped: Counter
+    errors: Counter
+    duration: Histogram
+    tokens: Counter
+    requests: Counter
+    circuit_open: Gauge
+    in_flight: Gauge
+
     def __init__(
         self, registry: CollectorRegistry, app_label: Callable[[str | None], str] = default_app_label
     ):
         self.registry = registry
         self.app_label = app_label
-        self.verdicts = Counter(
-            "tracejudge_judge_verdicts",
-            "Judge verdicts on sampled traces, by outcome.",
-            ["app", "judge", "verdict"],
-            registry=registry,
-        )
-        self.score = Histogram(
-            "tracejudge_judge_score",
-            "Judge scores in [0, 1] (1 = good).",
-            ["app", "judge"],
-            buckets=SCORE_BUCKETS,
-            registry=registry,
-        )
-        self.eligible = Counter(
-            "tracejudge_judge_eligible",
-            "Traces a judge could judge (filters passed, not failed, inputs present).",
-            ["app", "judge"],
-            registry=registry,
-        )
-        self.sampled = Counter(
-            "tracejudge_judge_sampled",
-            "Eligible traces chosen by the judge's sample rate.",
-            ["app", "judge"],
-            registry=registry,
-        )
-        self.skipped = Counter(
-            "tracejudge_judge_skipped",
-            "Judgements not run, by reason.",
-            ["app", "judge", "reason"],
-            registry=registry,
-        )
-        self.errors = Counter(
-            "tracejudge_judge_errors",
-            "Judgements that ran but gave no verdict, by reason.",
-            ["judge", "reason"],
-            registry=registry,
-        )
-        self.duration = Histogram(
-            "tracejudge_judge_duration_seconds",
-            "Wall time of one judge on one trace, retries included.",
-            ["judge"],
-            buckets=DURATION_BUCKETS,
-            registry=registry,
-        )
-        self.tokens = Counter(
-            "tracejudge_judge_tokens",
-            "Tokens sent to (input) and received from (output) judge endpoints.",
-            ["judge", "direction"],
-            registry=registry,
-        )
-        self.requests = Counter(
-            "tracejudge_judge_requests",
-            "HTTP requests to judge endpoints, by outcome.",
-            ["endpoint", "outcome"],
-            registry=registry,
-        )
-        self.circuit_open = Gauge(
-            "tracejudge_judge_circuit_open",
-            "1 while an endpoint's circuit breaker refuses calls.",
-            ["endpoint"],
-            registry=registry,
-        )
-        self.in_flight = Gauge(
-            "tracejudge_judge_in_flight", "Records with judgements in progress.", registry=registry
-        )
+        judge_families(self, registry, "tracejudge_judge", "trace", ("app", "judge"))
         # Judge trust (tracejudge.metrics.canary, tracejudge.metrics.shadow): never app quality.
         self.canary = Counter(
             "tracejudge_judge_canary",

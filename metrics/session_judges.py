@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter
 
 from tracejudge.metrics.budget import Cost, estimate_tokens
 from tracejudge.metrics.custom_judges import CustomJudge
@@ -60,7 +60,7 @@ from tracejudge.metrics.judge_config import (
     JudgesConfig,
     JudgeSettings,
 )
-from tracejudge.metrics.judge_metrics import DURATION_BUCKETS, ERROR_REASONS, SCORE_BUCKETS
+from tracejudge.metrics.judge_metrics import ERROR_REASONS, judge_families
 from tracejudge.metrics.judges import (
     LIST_SHAPE,
     OUTPUT_TOKENS_ESTIMATE,
@@ -576,71 +576,7 @@ class SessionJudgeMetrics:
             )
             app_label = AppLabelLimiter(100, overflow)
         self.app_label = app_label
-        self.verdicts = Counter(
-            "tracejudge_session_judge_verdicts",
-            "Session judge verdicts, by outcome (pass/fail; user_frustration: none/resolved/unresolved).",
-            ["app", "judge", "verdict"],
-            registry=registry,
-        )
-        self.score = Histogram(
-            "tracejudge_session_judge_score",
-            "Session judge scores in [0, 1] (1 = good), with a session_id exemplar.",
-            ["app", "judge"],
-            buckets=SCORE_BUCKETS,
-            registry=registry,
-        )
-        self.eligible = Counter(
-            "tracejudge_session_judge_eligible",
-            "Sessions a session judge could judge (filters passed, text present).",
-            ["judge"],
-            registry=registry,
-        )
-        self.sampled = Counter(
-            "tracejudge_session_judge_sampled",
-            "Eligible sessions chosen by the judge's sample rate.",
-            ["judge"],
-            registry=registry,
-        )
-        self.skipped = Counter(
-            "tracejudge_session_judge_skipped",
-            "Session judgements not run, by reason.",
-            ["judge", "reason"],
-            registry=registry,
-        )
-        self.errors = Counter(
-            "tracejudge_session_judge_errors",
-            "Session judgements that ran but gave no verdict, by reason.",
-            ["judge", "reason"],
-            registry=registry,
-        )
-        self.duration = Histogram(
-            "tracejudge_session_judge_duration_seconds",
-            "Wall time of one session judge on one session, retries included.",
-            ["judge"],
-            buckets=DURATION_BUCKETS,
-            registry=registry,
-        )
-        self.tokens = Counter(
-            "tracejudge_session_judge_tokens",
-            "Tokens sent to (input) and received from (output) judge endpoints by session judges.",
-            ["judge", "direction"],
-            registry=registry,
-        )
-        self.requests = Counter(
-            "tracejudge_session_judge_requests",
-            "HTTP requests of the session judges to judge endpoints, by outcome.",
-            ["endpoint", "outcome"],
-            registry=registry,
-        )
-        self.circuit_open = Gauge(
-            "tracejudge_session_judge_circuit_open",
-            "1 while the session judges' circuit breaker of an endpoint refuses calls.",
-            ["endpoint"],
-            registry=registry,
-        )
-        self.in_flight = Gauge(
-            "tracejudge_session_judge_in_flight", "Sessions with judgements in progress.", registry=registry
-        )
+        judge_families(self, registry, "tracejudge_session_judge", "session", ("judge",))
 
     # The JudgeRunner interface (the `app` of eligible/sampled/skipped is not a label here).
     def observe_eligible(self, app: str, judge: str) -> None:
