@@ -28,7 +28,6 @@ are not the live judge's verdicts).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -47,8 +46,7 @@ from tracejudge.consumer.runtime import (
     ConsumerMetrics,
     ConsumerRuntime,
     Stage,
-    configure_logging,
-    run_until_signalled,
+    stage_main,
 )
 from tracejudge.consumer.sink_stage import BadResult, decode_line
 from tracejudge.metrics.prometheus import AppLabelLimiter
@@ -347,21 +345,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def main(args: argparse.Namespace) -> int:
     """Entry point of `tracejudge agreement`: 0 after a clean stop, 1 when it cannot start, 2 on bad
     configuration (reported before anything connects)."""
-    try:
-        settings = settings_from_args(args)
-        plan = plan_agreement(settings)
-    except ConfigError as exc:
-        print(f"tracejudge agreement: {exc.report()}", file=sys.stderr)
-        return 2
-    configure_logging(settings.logging)
-    if getattr(args, "check_config", False):
-        for key, value in settings.redacted().items():
-            if key.startswith(("agreement.", "kafka.", "http.", "logging.", "prometheus.")):
-                print(f"{key} = {json.dumps(value)}")
-        print(f"agreement.results_topic (effective) = {json.dumps(plan.results_topic)}")
-        print(f"agreement.group_id (effective) = {json.dumps(plan.group_id)}")
-        return 0
-    return run_until_signalled(AgreementRunner(settings))
+    return stage_main("agreement", args, settings_from_args, AgreementRunner, plan=plan_agreement,
+                      show=lambda key: key.startswith(("agreement.", "kafka.", "http.", "logging.",
+                                                       "prometheus.")),
+                      effective=lambda plan: {"agreement.results_topic": plan.results_topic,
+                                              "agreement.group_id": plan.group_id})
 
 
 if __name__ == "__main__":

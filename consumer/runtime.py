@@ -39,7 +39,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from types import FrameType
 from typing import Any, Protocol
 
@@ -48,14 +48,14 @@ from kafka.errors import KafkaTimeoutError
 from kafka.structs import TopicPartition
 from prometheus_client import CollectorRegistry
 
-from tracejudge.consumer.config import LoggingSettings, Settings
+from tracejudge.consumer.config import ConfigError, LoggingSettings, Settings
 from tracejudge.consumer.http_server import OperationsServer
 from tracejudge.consumer.log_setup import KAFKA_CONNECTION_LOGS, configure_library_logs
 from tracejudge.consumer.offsets import OffsetTracker, Releasable
 from tracejudge.metrics.consumer_metrics import ConsumerMetrics
 
 __all__ = ["ConsumerMetrics", "ConsumerRuntime", "Exports", "RuntimeMetrics", "Stage", "StartupError",
-           "configure_logging", "describe_partitions", "run_until_signalled"]
+           "configure_logging", "describe_partitions", "run_until_signalled", "stage_main"]
 
 # A stage's way to wait on the IO thread (revocation): yields to kafka-python's loop, heartbeats go on.
 IoSleep = Callable[[float], Awaitable[None]]
@@ -822,6 +822,37 @@ def run_until_signalled(runtime: ConsumerRuntime) -> int:
         log.error("%s; exiting with status 1", exc)
         return 1
     return 0
+
+
+def stage_main(name: str, args: Any, settings_from_args: Callable[[Any], Settings],
+               make_runner: Callable[[Settings], ConsumerRuntime], *,
+               plan: Callable[[Settings], Any] | None = None, show: Callable[[str], bool] | None = None,
+               effective: Callable[[Any], Mapping[str, Any]] | None = None) -> int:
+    """The entry point of a stage's command (`tracejudge run`, `sessions`, `agreement`): load the
+    settings and the stage's `plan` (a `ConfigError` is reported before anything connects: status 2);
+    with `--check-config` print the settings `show` picks (secrets redacted) and the `effective`
+    values the plan resolved, status 0; else run until signalled (0 after a clean stop, 1 when it
+    cannot start)."""
+    try:
+        settings = settings_from_args(args)
+        planned = plan(settings) if plan is not None else None
+    except ConfigError as exc:
+        print(f"tracejudge {name}: {exc.report()}", file=sys.stderr)
+        return 2
+    configure_logging(settings.logging)
+    if getattr(args, "check_config", False):
+        for key, value in settings.redacted().items():
+            if show is None or show(key):
+                print(f"{key} = {json.dumps(value)}")
+        for key, value in (effective(planned) if effective is not None else {}).items():
+            print(f"{key} (effective) = {json.dumps(value)}")
+        return 0
+    try:
+        runner = make_runner(settings)
+    except ConfigError as exc:
+        print(f"tracejudge {name}: {exc.report()}", file=sys.stderr)
+        return 2
+    return run_until_signalled(runner)
 
 
 # -- command-line flags every stage shares ----------------------------------------------------------

@@ -55,7 +55,6 @@ import bisect
 import concurrent.futures
 import heapq
 import itertools
-import json
 import logging
 import sys
 import time
@@ -81,9 +80,8 @@ from tracejudge.consumer.runtime import (
     StartupError,
     add_runtime_arguments,
     cannot_connect,
-    configure_logging,
-    run_until_signalled,
     runtime_overrides,
+    stage_main,
     suppress_logged,
 )
 from tracejudge.consumer.runtime import _Export as _Export
@@ -891,26 +889,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def main(args: argparse.Namespace) -> int:
     """Entry point of `tracejudge sessions`: 0 after a clean stop, 1 when it cannot start, 2 on bad
     configuration (reported before anything connects)."""
-    try:
-        settings = settings_from_args(args)
-        plan = plan_sessions(settings)
-    except ConfigError as exc:
-        print(f"tracejudge sessions: {exc.report()}", file=sys.stderr)
-        return 2
-    configure_logging(settings.logging)
-    if getattr(args, "check_config", False):
-        for key, value in settings.redacted().items():
-            if _shown(key):
-                print(f"{key} = {json.dumps(value)}")
-        print(f"sessions.input_topic (effective) = {json.dumps(plan.input_topic)}")
-        print(f"sessions.group_id (effective) = {json.dumps(plan.group_id)}")
-        return 0
-    try:
-        runner = SessionRunner(settings, tune_gc=True)
-    except ConfigError as exc:
-        print(f"tracejudge sessions: {exc.report()}", file=sys.stderr)
-        return 2
-    return run_until_signalled(runner)
+    return stage_main("sessions", args, settings_from_args, lambda s: SessionRunner(s, tune_gc=True),
+                      plan=plan_sessions, show=_shown,
+                      effective=lambda plan: {"sessions.input_topic": plan.input_topic,
+                                              "sessions.group_id": plan.group_id})
 
 
 if __name__ == "__main__":

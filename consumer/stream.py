@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import logging
 import sys
 import time
@@ -60,8 +59,8 @@ from tracejudge.consumer.runtime import (
     add_runtime_arguments,
     cannot_connect,
     configure_logging,
-    run_until_signalled,
     runtime_overrides,
+    stage_main,
     suppress_logged,
 )
 from tracejudge.consumer.runtime import _Export as _Export
@@ -638,22 +637,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of `tracejudge run`: 0 after a clean stop, 1 when it cannot start, 2 on bad config."""
-    try:
-        settings = settings_from_args(args)
-    except ConfigError as exc:
-        print(f"tracejudge run: {exc.report()}", file=sys.stderr)
-        return 2
-    configure_logging(settings.logging)
-    if getattr(args, "check_config", False):
-        for key, value in settings.redacted().items():
-            print(f"{key} = {json.dumps(value)}")
-        return 0
-    try:
-        runner = StreamRunner(settings, tune_gc=True)
-    except ConfigError as exc:
-        print(f"tracejudge run: {exc.report()}", file=sys.stderr)
-        return 2
-    return run_until_signalled(runner)
+    return stage_main("run", args, settings_from_args, lambda settings: StreamRunner(settings, tune_gc=True))
 
 
 if __name__ == "__main__":
