@@ -737,7 +737,52 @@ def _quiet_client_logs() -> None:
             logging.getLogger(name).setLevel(logging.WARNING)
 
 
-class EmbeddedRunner:
+class _Embedded:
+    """A stage's runner (`ConsumerRuntime`) in a thread of the demo: started and waited for until it
+    serves /metrics, stopped with its drain. Subclasses set `settings`, `runner`, `what` (for the
+    messages) and the thread's name, then call `_embed`."""
+
+    what = "the consumer"
+
+    def _embed(self, runner: Any, thread_name: str) -> None:
+        self.runner = runner
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.runner.run()
+        except BaseException as exc:  # reported by main()
+            self.error = exc
+
+    def _start(self, timeout: float) -> None:
+        """Start consuming; returns once /metrics is served (raises if the runner could not start)."""
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while self.runner.http_port is None and self.error is None and self._thread.is_alive():
+            if time.monotonic() > deadline:
+                raise DemoUnavailable(f"{self.what} did not serve /metrics within {timeout:g}s")
+            self._thread.join(0.02)
+        if self.error is not None:
+            raise DemoUnavailable(self._start_error(self.error)) from self.error
+
+    def _start_error(self, exc: BaseException) -> str:
+        return f"{self.what} could not start: {exc}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.runner.http_port}/metrics"
+
+    def samples(self) -> Samples:
+        return Samples.collect(self.runner.registry)
+
+    def close(self) -> None:
+        self.runner.stop()
+        self._thread.join(timeout=self.settings.stream.shutdown_grace_seconds
+                          + self.settings.kafka.commit_timeout_ms / 1000 + 10)
+
+
+class EmbeddedRunner(_Embedded):
     """`tracejudge run`'s `StreamRunner` in a thread of the demo, with the settings a demo needs."""
 
     def __init__(self, bootstrap_servers: str, topic: str, metrics_port: int, *,
@@ -768,41 +813,16 @@ class EmbeddedRunner:
             # and relevance_to_query judges run on every answered trace.
             "judges": {},
         })
-        self.runner = StreamRunner(self.settings)
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="tracejudge-demo-runner", daemon=True)
-
-    def _run(self) -> None:
-        try:
-            self.runner.run()
-        except BaseException as exc:  # reported by main()
-            self.error = exc
+        self._embed(StreamRunner(self.settings), "tracejudge-demo-runner")
 
     def start(self, timeout: float = 30.0) -> EmbeddedRunner:
         """Start consuming; returns once /metrics is served (raises if the runner could not start)."""
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while self.runner.http_port is None and self.error is None and self._thread.is_alive():
-            if time.monotonic() > deadline:
-                raise DemoUnavailable(f"the consumer did not serve /metrics within {timeout:g}s")
-            self._thread.join(0.02)
-        if self.error is not None:
-            hint = " (--metrics-port 0 picks a free port)" if "http.port" in str(self.error) else ""
-            raise DemoUnavailable(f"{self.error}{hint}") from self.error
+        self._start(timeout)
         return self
 
-    @property
-    def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.runner.http_port}/metrics"
-
-    def samples(self) -> Samples:
-        return Samples.collect(self.runner.registry)
-
-    def close(self) -> None:
-        self.runner.stop()
-        stream = self.settings.stream
-        self._thread.join(timeout=stream.shutdown_grace_seconds + self.settings.kafka.commit_timeout_ms / 1000
-                          + 10)
+    def _start_error(self, exc: BaseException) -> str:
+        hint = " (--metrics-port 0 picks a free port)" if "http.port" in str(exc) else ""
+        return f"{exc}{hint}"
 
 
 def start_runner(bootstrap_servers: str, topic: str, metrics_port: int, *,
@@ -810,10 +830,12 @@ def start_runner(bootstrap_servers: str, topic: str, metrics_port: int, *,
     return EmbeddedRunner(bootstrap_servers, topic, metrics_port, publish=publish).start()
 
 
-class EmbeddedSessions:
+class EmbeddedSessions(_Embedded):
     """`tracejudge sessions`' `SessionRunner` in a thread of the demo: it reads the runner's results
     topic and closes a conversation after `inactivity` seconds without a turn (the production default
     is 300 s), judging it with the heuristic `user_frustration` judge."""
+
+    what = "the session stage"
 
     def __init__(self, bootstrap_servers: str, topic: str, inactivity: float) -> None:
         from tracejudge.consumer.config import load_settings
@@ -834,40 +856,14 @@ class EmbeddedSessions:
             # No endpoint: the heuristic user_frustration judge on every session.
             "judges": {},
         }, require_topics=False)
-        self.runner = SessionRunner(self.settings)
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="tracejudge-demo-sessions", daemon=True)
-
-    def _run(self) -> None:
-        try:
-            self.runner.run()
-        except BaseException as exc:  # reported by main()
-            self.error = exc
+        self._embed(SessionRunner(self.settings), "tracejudge-demo-sessions")
 
     def start(self, timeout: float = 30.0) -> EmbeddedSessions:
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while self.runner.http_port is None and self.error is None and self._thread.is_alive():
-            if time.monotonic() > deadline:
-                raise DemoUnavailable(f"the session stage did not serve /metrics within {timeout:g}s")
-            self._thread.join(0.02)
-        if self.error is not None:
-            raise DemoUnavailable(f"the session stage could not start: {self.error}") from self.error
+        self._start(timeout)
         return self
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.runner.http_port}/metrics"
-
-    def samples(self) -> Samples:
-        return Samples.collect(self.runner.registry)
 
     def closed(self) -> int:
         """Sessions closed, re-evaluations of reopened sessions not counted."""
         samples = self.samples()
         return int(samples.total(SESSIONS) - samples.total(REOPENED))
 
-    def close(self) -> None:
-        self.runner.stop()
-        self._thread.join(timeout=self.settings.stream.shutdown_grace_seconds
-                          + self.settings.kafka.commit_timeout_ms / 1000 + 10)
