@@ -94,9 +94,9 @@ def judge_families(m: object, registry: CollectorRegistry, prefix: str, subject:
         setattr(m, name, family)
 
 
-class JudgeMetrics:
-    """The trace judges' series (`judge_families` with the `tracejudge_judge` prefix) and the judge
-    trust counters of canaries and shadow judges."""
+class JudgeSeries:
+    """What every judge runner's series have in common (`judge_families`) and the observations that
+    read the same for trace and session judges."""
 
     verdicts: Counter
     score: Histogram
@@ -109,6 +109,29 @@ class JudgeMetrics:
     requests: Counter
     circuit_open: Gauge
     in_flight: Gauge
+
+    def observe_error(self, judge: str, reason: str) -> None:
+        self.errors.labels(judge, reason if reason in ERROR_REASONS else "internal").inc()
+
+    def observe_duration(self, judge: str, seconds: float) -> None:
+        self.duration.labels(judge).observe(seconds)
+
+    def observe_tokens(self, judge: str, input_tokens: int, output_tokens: int) -> None:
+        if input_tokens:
+            self.tokens.labels(judge, "input").inc(input_tokens)
+        if output_tokens:
+            self.tokens.labels(judge, "output").inc(output_tokens)
+
+    def observe_request(self, endpoint: str, outcome: str) -> None:
+        self.requests.labels(endpoint, outcome).inc()
+
+    def set_circuit_open(self, endpoint: str, is_open: bool) -> None:
+        self.circuit_open.labels(endpoint).set(1 if is_open else 0)
+
+
+class JudgeMetrics(JudgeSeries):
+    """The trace judges' series (`judge_families` with the `tracejudge_judge` prefix) and the judge
+    trust counters of canaries and shadow judges."""
 
     def __init__(
         self, registry: CollectorRegistry, app_label: Callable[[str | None], str] = default_app_label
@@ -151,9 +174,6 @@ class JudgeMetrics:
     def observe_skipped(self, app: str, judge: str, reason: str) -> None:
         self.skipped.labels(app, judge, reason).inc()
 
-    def observe_error(self, judge: str, reason: str) -> None:
-        self.errors.labels(judge, reason if reason in ERROR_REASONS else "internal").inc()
-
     def observe_verdict(
         self, app: str, judge: str, *, passed: bool | None, score: float | None, trace_id: str | None
     ) -> None:
@@ -162,21 +182,6 @@ class JudgeMetrics:
             self.verdicts.labels(app, judge, "pass" if passed else "fail").inc(exemplar=ex)
         if score is not None:
             self.score.labels(app, judge).observe(min(1.0, max(0.0, score)), exemplar=ex)
-
-    def observe_duration(self, judge: str, seconds: float) -> None:
-        self.duration.labels(judge).observe(seconds)
-
-    def observe_tokens(self, judge: str, input_tokens: int, output_tokens: int) -> None:
-        if input_tokens:
-            self.tokens.labels(judge, "input").inc(input_tokens)
-        if output_tokens:
-            self.tokens.labels(judge, "output").inc(output_tokens)
-
-    def observe_request(self, endpoint: str, outcome: str) -> None:
-        self.requests.labels(endpoint, outcome).inc()
-
-    def set_circuit_open(self, endpoint: str, is_open: bool) -> None:
-        self.circuit_open.labels(endpoint).set(1 if is_open else 0)
 
     def observe_canary(self, judge: str, outcome: str) -> None:
         self.canary.labels(judge, outcome).inc()

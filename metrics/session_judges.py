@@ -60,7 +60,7 @@ from tracejudge.metrics.judge_config import (
     JudgesConfig,
     JudgeSettings,
 )
-from tracejudge.metrics.judge_metrics import ERROR_REASONS, judge_families
+from tracejudge.metrics.judge_metrics import JudgeSeries, judge_families
 from tracejudge.metrics.judges import (
     LIST_SHAPE,
     OUTPUT_TOKENS_ESTIMATE,
@@ -555,7 +555,7 @@ def _exemplar(session_id: str) -> dict[str, str]:
     return {"session_id": session_id}
 
 
-class SessionJudgeMetrics:
+class SessionJudgeMetrics(JudgeSeries):
     """The session judges' Prometheus families (names and labels are a public contract, README).
 
     Labels are bounded: `judge` comes from configuration, `verdict` is pass/fail (or user_frustration's
@@ -588,9 +588,6 @@ class SessionJudgeMetrics:
     def observe_skipped(self, app: str, judge: str, reason: str) -> None:
         self.skipped.labels(judge, reason).inc()
 
-    def observe_error(self, judge: str, reason: str) -> None:
-        self.errors.labels(judge, reason if reason in ERROR_REASONS else "internal").inc()
-
     def observe_session_verdict(self, app: str, judge: str, a: Assessment, session_id: str) -> None:
         ex = _exemplar(session_id)
         if judge == "user_frustration" and a.value in FRUSTRATION_SCORES:
@@ -599,21 +596,6 @@ class SessionJudgeMetrics:
             self.verdicts.labels(app, judge, "pass" if a.passed else "fail").inc(exemplar=ex)
         if a.score is not None:
             self.score.labels(app, judge).observe(min(1.0, max(0.0, a.score)), exemplar=ex)
-
-    def observe_duration(self, judge: str, seconds: float) -> None:
-        self.duration.labels(judge).observe(seconds)
-
-    def observe_tokens(self, judge: str, input_tokens: int, output_tokens: int) -> None:
-        if input_tokens:
-            self.tokens.labels(judge, "input").inc(input_tokens)
-        if output_tokens:
-            self.tokens.labels(judge, "output").inc(output_tokens)
-
-    def observe_request(self, endpoint: str, outcome: str) -> None:
-        self.requests.labels(endpoint, outcome).inc()
-
-    def set_circuit_open(self, endpoint: str, is_open: bool) -> None:
-        self.circuit_open.labels(endpoint).set(1 if is_open else 0)
 
 
 # ---------------------------------------------------------------------------------------------------
