@@ -31,6 +31,7 @@ from support.kafka import RunnerProcess, produce, read_topic, unique, wait_until
 from support.otel_producers import kafka_messages
 
 from tracejudge.consumer.demo.broker import LocalBroker
+from tracejudge.schemas.detect import normalise
 from tracejudge.schemas.session import SessionResult
 
 pytestmark = pytest.mark.timeout(300)
@@ -149,12 +150,19 @@ def test_sessions_from_real_traces_through_run_and_the_session_stage(broker: Loc
 
         a, b = got["chat-a"], got["chat-b"]
         assert a.user_id == "user-a" and a.status == "complete" and a.close_reason == "inactivity"
-        # Each session's turns in the order they were asked, whatever partition their traces took.
-        asked: dict[str, list[str]] = defaultdict(list)
+        # Each session holds the turns it was asked, ordered by when each trace started as the trace
+        # itself states it (not by the partition or the order the traces arrived in). Turns traced
+        # within the same millisecond tie, and a tie may come out either way.
+        asked: dict[str, dict[str, float]] = defaultdict(dict)
         for (sid, _), line in zip(order, mlflow_lines, strict=True):
-            asked[sid].append(json.loads(line)["info"]["trace_id"])
+            record = normalise(line)
+            assert record.timestamp is not None
+            asked[sid]["tr-" + str(record.trace_id)] = record.timestamp
         for sid in script:
-            assert [t.mlflow_trace_id for t in got[sid].turns] == asked[sid], sid
+            ids = [t.mlflow_trace_id for t in got[sid].turns]
+            assert sorted(ids) == sorted(asked[sid]), sid
+            started = [asked[sid][i] for i in ids]
+            assert started == sorted(started), (sid, started)
         assert a.metrics["turns"] == 2 and a.metrics["failed_turns"] == 0
         frustration = {sid: got[sid].assessment("user_frustration") for sid in ("chat-a", "chat-b")}
         assert frustration["chat-a"].value == "none" and frustration["chat-a"].source == "heuristic"
