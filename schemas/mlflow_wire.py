@@ -23,8 +23,7 @@ and bench/bench_derive.py on its corpus before it times anything.
 
 from __future__ import annotations
 
-import contextlib
-from operator import itemgetter
+from operator import attrgetter
 from typing import Annotated, Any
 
 import msgspec
@@ -38,6 +37,7 @@ from tracejudge.schemas.derive import (
     derive,
     derived_record,
     documents_from_output,
+    one_model_calls,
 )
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.mlflow import (
@@ -69,21 +69,17 @@ from tracejudge.schemas.trace import Document, Span, SpanKind, TokenUsage, Trace
 
 __all__ = ["derive_canonical_json", "parse_canonical_json", "parse_trace_json"]
 
-_start = itemgetter(0)
+_span_start = attrgetter("start_time_unix_nano")
 
 # orjson, which the general path reads with, gives a float for an integer beyond 64 bits, and
 # msgspec bounds must fit an int64: times past 2**63 - 1 ns (year 2262) take the general path.
 _WireInt = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 _NO_EVENTS = msgspec.Raw(b"[]")
+_SpanId = Annotated[bytes, msgspec.Meta(min_length=8, max_length=8)]
 
 
 class _NotCanonical(Exception):
     """The span list is not in the shape `Trace.to_json()` of MLflow >= 3.5 writes."""
-
-
-class _NotLean(Exception):
-    """A span list `_lean_parts` cannot read safely (a repeated span id, a child listed before its
-    parent or under a parent no span has, a span that is its own parent): read every span."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -138,9 +134,10 @@ _WireAttributes = msgspec.defstruct("_WireAttributes", [
 class _WireSpan(msgspec.Struct, gc=False):
     # Every key is required and exactly typed: a span written any other way is read by the general
     # reader. msgspec's base64 is binascii's strict mode: standard alphabet, padded, nothing after
-    # the padding, so an 8-byte id is exactly the 12-character form the general reader decodes.
-    span_id: bytes
-    parent_span_id: bytes | None
+    # the padding, so an 8-byte id is exactly the 12-character form the general reader decodes;
+    # the general reader reads an id of another length.
+    span_id: _SpanId
+    parent_span_id: _SpanId | None
     name: str
     start_time_unix_nano: _WireInt
     end_time_unix_nano: _WireInt
@@ -314,115 +311,158 @@ def _model_call(usage: TokenUsage, attrs: Any) -> ModelCall:
     return model, usage, None if cost_raw is None else span_cost({LLM_COST: _raw_attr(cost_raw)})
 
 
-def _below(parent: bytes | None, spans: set[bytes], parents: dict[bytes, bytes | None]) -> bool:
-    """Whether `parent` or one of its ancestors is in `spans` (parents are listed before children)."""
-    while parent is not None:
-        if parent in spans:
+def _reachable(raw: _WireSpan, by_id: dict[bytes, _WireSpan]) -> bool:
+    """Whether `derive.usage_spans`'s walk from the roots reaches `raw`: whether its chain of
+    parents ends at a root (no parent, a parent no span has, itself as parent). False also when
+    the chain loops, or runs past one span of a repeated id into a loop where another might not:
+    the caller then walks the tree as `usage_spans` does."""
+    for _ in range(len(by_id) + 1):
+        parent = raw.parent_span_id
+        if parent is None or parent == raw.span_id:
             return True
-        parent = parents.get(parent)
+        above = by_id.get(parent)
+        if above is None:
+            return True
+        raw = above
     return False
 
 
-def _lean_calls(with_usage: list[tuple[bytes, bytes | None, Any]],
+def _counted_calls(spans_raw: list[_WireSpan]) -> list[ModelCall]:
+    """`model_calls(usage_spans(...))` of the spans as the general reader builds them: a depth-first
+    walk from the roots that does not descend below a span with its own usage, in the same order."""
+    ids = {raw.span_id for raw in spans_raw}
+    children: dict[bytes, list[_WireSpan]] = {}
+    stack: list[_WireSpan] = []
+    for raw in spans_raw:
+        parent = raw.parent_span_id
+        if parent is not None and parent in ids and parent != raw.span_id:
+            children.setdefault(parent, []).append(raw)
+        else:
+            stack.append(raw)
+    counted: list[ModelCall] = []
+    seen: set[int] = set()
+    while stack:
+        raw = stack.pop()
+        if id(raw) in seen:  # a repeated span id can make a span reachable twice
+            continue
+        seen.add(id(raw))
+        attrs = raw.attributes
+        if attrs.usage is not None:
+            usage = _span_usage(attrs.usage)
+            if usage is not None:
+                counted.append(_model_call(usage, attrs))
+                continue
+        stack.extend(children.get(raw.span_id, ()))
+    return counted
+
+
+def _lean_calls(with_usage: list[_WireSpan], by_id: dict[bytes, _WireSpan],
                 spans_raw: list[_WireSpan]) -> list[ModelCall] | str | None:
-    """The counted model calls (`derive.usage_spans`) of the spans that state usage, in the order
-    listed (parents before children). When every one of them names the same `mlflow.llm.model` and
-    none states a cost, the trace's own usage is that model's (`derive.one_model_calls`): returns
-    the model's name (None when they name none) without decoding every call's usage, which is most
-    of this reader's work on a trace with many model calls."""
-    first = with_usage[0][2]
-    model_raw = first.model
-    # The first span that states usage has no ancestor that does: counted when its usage is.
-    if (first.cost is None and (len(with_usage) == 1 or all(a.model == model_raw and a.cost is None
-                                                             for _, _, a in with_usage))
-            and _span_usage(first.usage) is not None):
+    """The counted model calls (`derive.usage_spans`) of a trace whose spans `with_usage` state
+    usage. When every one of them names the same `mlflow.llm.model` and none states a cost, the
+    trace's own usage is that model's (`derive.one_model_calls`): returns the model's name (None
+    when they name none) without decoding every call's usage, which is most of this reader's work
+    on a trace with many model calls; that needs one counted call, the first span stating usage
+    when the walk from the roots reaches it, as it does in every tree."""
+    first = with_usage[0]
+    attrs = first.attributes
+    model_raw = attrs.model
+    if (attrs.cost is None and (len(with_usage) == 1 or all(
+            a.model == model_raw and a.cost is None for a in (raw.attributes for raw in with_usage)))
+            and _span_usage(attrs.usage) is not None and _reachable(first, by_id)):
         if model_raw is None:
             return None
         name = _MODEL_NAMES.get(bytes(model_raw), _NO_NAME)
-        return _model_call(TokenUsage(), first)[0] if name is _NO_NAME else name
-    parents = {raw.span_id: raw.parent_span_id for raw in spans_raw}
-    counted_ids: set[bytes] = set()
-    counted: list[ModelCall] = []
-    for sid, parent, attrs in with_usage:
-        if counted_ids and _below(parent, counted_ids, parents):
-            continue
-        usage = _span_usage(attrs.usage)
-        if usage is not None:
-            counted_ids.add(sid)
-            counted.append(_model_call(usage, attrs))
-    return counted
+        return _model_call(TokenUsage(), attrs)[0] if name is _NO_NAME else name
+    return _counted_calls(spans_raw)
+
+
+def _nested_retriever(raw: _WireSpan, by_id: dict[bytes, _WireSpan]) -> bool:
+    """Whether `top_level_retrievers` leaves this RETRIEVER span out: a RETRIEVER above it."""
+    kinds, retriever = _LEAN_KINDS, _RETRIEVER
+    parent, hops, limit = raw.parent_span_id, 0, len(by_id)
+    while parent is not None and hops <= limit:  # a malformed trace may loop: bounded as there
+        above = by_id.get(parent)
+        if above is None:
+            return False
+        kind_raw = above.attributes.span_type
+        kind = kinds.get(kind_raw)
+        if (kind if kind is not None else _kind_of(kind_raw)) is retriever:
+            return True
+        parent, hops = above.parent_span_id, hops + 1
+    return False
+
+
+# `mlflow.spanType` as written -> its kind; None (no type) is UNKNOWN, as the general reader reads it.
+_LEAN_KINDS: dict[str | None, SpanKind] = {None: _UNKNOWN, **_RAW_KINDS}
 
 
 def _lean_parts(spans_raw: list[_WireSpan]) -> tuple[Span | None, list[Document] | None, list[ToolCall],
                                                      list[ModelCall] | str | None]:
     """`derived_record`'s parts of a trace that states its usage: the root `Span`, the documents of
     the top-level retrievers and the tool calls, in start order, and the model calls whose usage
-    counts (`derive.usage_spans`); every span is checked as the general reader checks it. Raises
-    `_NotLean` for span lists whose retriever nesting cannot be told in one pass, `_NotCanonical` for
-    what the general reader must read."""
-    # The stream's hottest loop: most spans need nothing past the kind check.
-    raw_kinds, unknown, tool, retriever, no_events = _RAW_KINDS, _UNKNOWN, _TOOL, _RETRIEVER, _NO_EVENTS
-    seen: set[bytes] = set()
-    # RETRIEVER spans and every span below one: a retriever in here is nested, and
-    # `top_level_retrievers` leaves it out. Needs parents listed before their children.
-    below_retriever: set[bytes] = set()
-    root: Span | None = None
-    tools: list[tuple[int, ToolCall]] = []
-    retrievers: list[tuple[int, list[Document]]] = []
-    # The spans that state usage (span id, parent id, attributes); `_lean_calls` reads them.
-    with_usage: list[tuple[bytes, bytes | None, Any]] = []
+    counts (`derive.usage_spans`), read as `derive()` reads them from the general reader's spans,
+    whatever the span list's order, repeated ids or loops; every span is checked as the general
+    reader checks it. Raises `_NotCanonical` for what the general reader must read."""
+    # The stream's hottest loop: one pass finds the few spans derivation reads (the root, tools,
+    # retrievers, spans stating usage); what each needs is read after it.
+    kinds, tool, retriever, no_events = _LEAN_KINDS, _TOOL, _RETRIEVER, _NO_EVENTS
+    root_raw: _WireSpan | None = None
+    tools: list[_WireSpan] = []
+    retrievers: list[_WireSpan] = []
+    with_usage: list[_WireSpan] = []
     try:
         for raw in spans_raw:
-            sid = raw.span_id
-            if len(sid) != 8:
-                raise _NotCanonical
-            parent = raw.parent_span_id
-            if sid in seen or (parent is not None and parent not in seen):
-                raise _NotLean
-            seen.add(sid)
             attrs = raw.attributes
-            kind_raw = attrs.span_type
-            kind = unknown if kind_raw is None else raw_kinds.get(kind_raw)
+            kind = kinds.get(attrs.span_type)
             if kind is None:
-                kind = _kind_of(kind_raw)
-            if attrs.usage is not None:
-                with_usage.append((sid, parent, attrs))
-            if parent is None and root is None:  # the root `derive()` reads: the first without a parent
-                root = _root_span(raw, kind, sid.hex())
-                if kind is tool:
-                    call = ToolCall(root.tool_name or root.name, root.inputs or None)
-                    tools.append((root.start_ns, call))
-                elif kind is retriever:
-                    below_retriever.add(sid)
-                    retrievers.append((root.start_ns, documents_from_output(root.outputs)))
-                continue
-            if raw.events != no_events:
-                _events_exception(raw.events)  # checked as the general reader checks it
-            if parent is not None and parent in below_retriever:
-                below_retriever.add(sid)
-                if kind is not tool:
-                    continue
-            elif kind is retriever:
-                below_retriever.add(sid)
-                outputs = attrs.outputs
-                documents = [] if outputs is None else _raw_documents(outputs)
-                retrievers.append((raw.start_time_unix_nano, documents))
-                continue
+                kind = _kind_of(attrs.span_type)
             if kind is tool:
-                inputs = None if attrs.inputs is None else _tool_inputs(attrs.inputs)
+                tools.append(raw)
+            elif kind is retriever:
+                retrievers.append(raw)
+            if attrs.usage is not None:
+                with_usage.append(raw)
+            if raw.parent_span_id is None and root_raw is None:  # the root: the first without a parent
+                root_raw = raw
+            elif raw.events != no_events:
+                _events_exception(raw.events)  # checked as the general reader checks it
+        root = None
+        if root_raw is not None:
+            kind_raw = root_raw.attributes.span_type
+            kind = kinds.get(kind_raw)
+            root = _root_span(root_raw, kind if kind is not None else _kind_of(kind_raw),
+                              root_raw.span_id.hex())
+        # Span id -> the last span of that id, as `derive()`'s maps hold them.
+        by_id = ({raw.span_id: raw for raw in spans_raw} if with_usage or len(retrievers) > 1 else {})
+        counted = _lean_calls(with_usage, by_id, spans_raw) if with_usage else []
+        if len(retrievers) > 1:
+            retrievers = [raw for raw in retrievers if not _nested_retriever(raw, by_id)]
+            retrievers.sort(key=_span_start)  # stable, as `derive()`'s: a tie keeps the spans' order
+        retrieved = None
+        if retrievers:
+            retrieved = []
+            for raw in retrievers:
+                if raw is root_raw:
+                    retrieved.extend(documents_from_output(root.outputs))
+                elif raw.attributes.outputs is not None:
+                    retrieved.extend(_raw_documents(raw.attributes.outputs))
+        trajectory = []
+        if tools:
+            if len(tools) > 1:
+                tools.sort(key=_span_start)
+            for raw in tools:
+                if raw is root_raw:
+                    trajectory.append(ToolCall(root.tool_name or root.name, root.inputs or None))
+                    continue
+                inputs = raw.attributes.inputs
+                if inputs is not None:
+                    inputs = _tool_inputs(inputs)
                 name = _tool_name(inputs) if type(inputs) is dict and "call" in inputs else None
-                tools.append((raw.start_time_unix_nano, ToolCall(name or raw.name, inputs or None)))
-        counted = _lean_calls(with_usage, spans_raw) if with_usage else []
+                trajectory.append(ToolCall(name or raw.name, inputs or None))
     except (_Malformed, KeyError, TypeError, ValueError, RecursionError):
         raise _NotCanonical from None
-    retrieved = None
-    if retrievers:
-        if len(retrievers) > 1:
-            retrievers.sort(key=_start)  # stable, as `derive()`'s: a tie keeps the spans' order
-        retrieved = [document for _, documents in retrievers for document in documents]
-    if len(tools) > 1:
-        tools.sort(key=_start)
-    return root, retrieved, [call for _, call in tools], counted
+    return root, retrieved, trajectory, counted
 
 
 def _spans(spans_raw: list[_WireSpan]) -> list[Span]:
@@ -439,8 +479,6 @@ def _spans(spans_raw: list[_WireSpan]) -> list[Span]:
     try:
         for raw in spans_raw:
             sid = raw.span_id
-            if len(sid) != 8:
-                raise _NotCanonical
             span_id = ids[sid] = sid.hex()
             attrs = raw.attributes
             kind_raw = attrs.span_type
@@ -454,8 +492,6 @@ def _spans(spans_raw: list[_WireSpan]) -> list[Span]:
             else:
                 parent_id = ids.get(parent)
                 if parent_id is None:  # a child listed before its parent
-                    if len(parent) != 8:
-                        raise _NotCanonical
                     parent_id = ids[parent] = parent.hex()
                 events = raw.events
                 status = raw.status
@@ -535,10 +571,7 @@ def derive_canonical_json(payload: bytes | str, *, app_tag: str | None = None,
         info = wire.info
         # Trace-level usage, when stated, is what derivation reports: span usage goes unread.
         usage = _stated_usage(info.trace_metadata)
-        parts = None
-        if usage is not None:
-            with contextlib.suppress(_NotLean):
-                parts = _lean_parts(wire.data.spans)
+        parts = None if usage is None else _lean_parts(wire.data.spans)
         spans = [] if parts is not None else _spans(wire.data.spans)
         trace = _trace(info, spans, app_tag, usage, session_tag)
     except _NOT_READ:
@@ -549,6 +582,8 @@ def derive_canonical_json(payload: bytes | str, *, app_tag: str | None = None,
     tokens = usage.with_total()
     if not isinstance(counted, list):  # one model for every call: the trace's usage is its usage
         counted = [(counted, tokens, None)]
+    elif counted:  # the spans stating usage differ, the calls counted may not
+        counted = one_model_calls(counted, tokens)
     return derived_record(trace, root, retrieved, trajectory, tokens, calls=counted or None)
 
 

@@ -142,13 +142,10 @@ def _assert_same_trace(lean: Trace, general: Trace) -> None:
 
 
 def _lean_parts(payload: bytes) -> Any:
-    """What the one-pass walk makes of a trace's spans, or the exception it raises."""
+    """What the one-pass walk makes of a trace's spans."""
     decoded = wire._decode(payload)
     assert decoded is not None
-    try:
-        return wire._lean_parts(decoded.data.spans)
-    except wire._NotLean as exc:
-        return exc
+    return wire._lean_parts(decoded.data.spans)
 
 
 def _embedded(trace: Any) -> list[dict[str, Any]]:
@@ -203,20 +200,72 @@ def test_edits_that_keep_the_exact_shape_stay_on_the_msgspec_path(edit: Callable
     assert derive(lean) == derive(general) == wire.derive_canonical_json(payload)
 
 
+def _loop(spans: list[Any]) -> None:
+    # The last two spans each other's parent: neither is reached from the root.
+    spans[-1]["parent_span_id"], spans[-2]["parent_span_id"] = spans[-2]["span_id"], spans[-1]["span_id"]
+
+
 @pytest.mark.parametrize("edit", [
     lambda spans: spans.reverse(),
     lambda spans: spans[-1].update(span_id=spans[0]["span_id"]),
+    lambda spans: spans[1].update(span_id=spans[-1]["span_id"]),
     lambda spans: spans[-1].update(parent_span_id="AAAAAAAAAAA="),
     lambda spans: spans[-1].update(parent_span_id=spans[-1]["span_id"]),
-], ids=["children first", "repeated id", "unknown parent", "own parent"])
-def test_span_lists_the_one_pass_walk_cannot_read_are_read_whole(edit: Callable[[list[Any]], None]) -> None:
-    doc = copy.deepcopy(TRACES["multi_retriever"])
+    lambda spans: spans[1].update(parent_span_id=None),
+    lambda spans: spans[1].update(span_id=spans[0]["span_id"], parent_span_id=spans[0]["span_id"]),
+    _loop,
+], ids=["children first", "repeated id", "repeated id, the first", "unknown parent", "own parent",
+        "second root", "the root's id, as its own parent", "loop"])
+@pytest.mark.parametrize("name", ["multi_retriever", "wrapper_llm", "tools"])
+def test_odd_span_lists_are_read_in_one_pass_as_derive_reads_them(
+        edit: Callable[[list[Any]], None], name: str) -> None:
+    # multi_retriever: a retriever wrapping another; wrapper_llm: usage on a wrapper and the call
+    # inside it, and calls naming different models (None and one); tools: tool calls in order.
+    doc = copy.deepcopy(TRACES[name])
     edit(doc["data"]["spans"])
     general = parser.parse_trace(doc, everything=False)
-    assert general.token_usage is not None  # so only the span list's shape stops the one-pass walk
+    assert general.token_usage is not None  # so the one-pass walk reads it
     payload = orjson.dumps(doc)
-    assert isinstance(_lean_parts(payload), wire._NotLean)
-    assert wire.derive_canonical_json(payload) == derive(general)
+    record = derive(general)
+    root, retrieved, trajectory, _ = _lean_parts(payload)
+    assert (root, retrieved, trajectory) == (root_span(general.spans), record.retrieved_context,
+                                             record.trajectory)
+    assert wire.derive_canonical_json(payload) == record == normalise(payload)
+
+
+def test_one_model_calls_are_counted_only_when_reached_from_a_root() -> None:
+    # Every span stating usage names the same model, but the first of them sits in a loop of
+    # parents: `usage_spans` never reaches it, and the walk must not count it either.
+    doc = copy.deepcopy(TRACES["rag"])
+    spans = doc["data"]["spans"]
+    chat = next(span for span in spans if "mlflow.chat.tokenUsage" in span["attributes"])
+    looped = copy.deepcopy(chat)
+    looped["span_id"], looped["parent_span_id"] = "AAAAAAAAAAE=", "AAAAAAAAAAI="
+    partner = copy.deepcopy(looped)
+    partner["span_id"], partner["parent_span_id"] = "AAAAAAAAAAI=", "AAAAAAAAAAE="
+    partner["attributes"] = {"mlflow.spanType": '"CHAIN"'}
+    spans[:0] = [looped, partner]  # listed first, so the walk meets it first
+    spans.remove(chat)
+    general = parser.parse_trace(doc, everything=False)
+    record = derive(general)
+    assert general.token_usage is not None and record.model_usage is None  # nothing counted
+    assert wire.derive_canonical_json(orjson.dumps(doc)) == record
+
+
+def test_calls_of_one_model_are_the_traces_usage_though_an_uncounted_one_names_another() -> None:
+    # The wrapper and the second call name one model; the call inside the wrapper, not counted
+    # (its wrapper's usage holds it), names another: the counted calls are of one model, so that
+    # model's usage is the trace's, as `derive()` reads it.
+    doc = copy.deepcopy(TRACES["wrapper_llm"])
+    for span in doc["data"]["spans"]:
+        if span["name"] == "llm_wrapper":
+            span["attributes"]["mlflow.llm.model"] = '"gpt-4o-mini"'
+        elif span["name"] == "inner_chat":
+            span["attributes"]["mlflow.llm.model"] = '"another-model"'
+    general = parser.parse_trace(doc, everything=False)
+    record = derive(general)
+    assert record.model_usage == {"gpt-4o-mini": general.token_usage.with_total()}
+    assert wire.derive_canonical_json(orjson.dumps(doc)) == record
 
 
 def test_nested_retrievers_are_left_out_whatever_lies_between() -> None:
