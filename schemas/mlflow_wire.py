@@ -8,10 +8,12 @@ skipping every other key unread.
 
 * `derive_canonical_json(payload)` gives the `EvalRecord` (what `normalise()` reads whole payloads
   with). When the trace states its own token usage, as MLflow writes it whenever a span recorded
-  usage, derivation reads only the root span, the TOOL spans and the top-level RETRIEVER spans: the
-  span walk reads those straight into the record's parts (`_lean_parts`) and builds no `Span` but
-  the root's; the chains, model calls and rerankers around them, half the spans of a RAG agent's
-  trace, are checked like the rest and dropped.
+  usage, derivation reads only the root span, the TOOL spans, the top-level RETRIEVER spans and the
+  model named by the spans stating usage: one pass over the spans finds those, and they are read
+  straight into the record's parts (`_lean_parts`), building no `Span` but the root's; the chains,
+  model calls and rerankers around them, half the spans of a RAG agent's trace, are checked like
+  the rest and dropped. Nesting (retrievers inside retrievers, model calls inside wrappers) is read
+  by `derive()`'s own rules, whatever the order, repeated ids or loops of the span list.
 * `parse_canonical_json(payload)` gives the `Trace` with every span.
 
 Both give None for anything else (another shape, another format, bad input): the caller decodes the
@@ -54,12 +56,12 @@ from tracejudge.schemas.mlflow import (
     SPAN_INPUTS,
     SPAN_OUTPUTS,
     SPAN_TYPE,
+    TRACE_USAGE,
     _attr,
     _build_trace,
     _check_events,
     _exception,
     _Malformed,
-    _stated_usage,
     _tool_name,
     _usage,
     parse_trace,
@@ -205,6 +207,22 @@ def _span_usage(raw: msgspec.Raw) -> TokenUsage | None:
         wire = _USAGE_DECODER.decode(_STRING_DECODER.decode(raw))
     except msgspec.DecodeError:
         return _usage(_raw_attr(raw))
+    return _wire_usage(wire)
+
+
+def _trace_usage(metadata: dict[str, str] | None) -> TokenUsage | None:
+    """`_stated_usage(metadata)` (`mlflow.trace.tokenUsage`), typed by msgspec as `_span_usage`."""
+    stated = None if metadata is None else metadata.get(TRACE_USAGE)
+    if stated is None:
+        return None
+    try:
+        wire = _USAGE_DECODER.decode(stated)
+    except msgspec.DecodeError:
+        return _usage(_attr(stated))
+    return _wire_usage(wire)
+
+
+def _wire_usage(wire: _WireUsage) -> TokenUsage | None:
     inp, out, total = wire.input_tokens, wire.output_tokens, wire.total_tokens
     if inp is None and out is None and total is None:
         return None
@@ -311,6 +329,11 @@ def _model_call(usage: TokenUsage, attrs: Any) -> ModelCall:
     return model, usage, None if cost_raw is None else span_cost({LLM_COST: _raw_attr(cost_raw)})
 
 
+def _by_id(spans_raw: list[_WireSpan]) -> dict[bytes, _WireSpan]:
+    """Span id -> the last span of that id, as `derive()`'s maps hold them."""
+    return {raw.span_id: raw for raw in spans_raw}
+
+
 def _reachable(raw: _WireSpan, by_id: dict[bytes, _WireSpan]) -> bool:
     """Whether `derive.usage_spans`'s walk from the roots reaches `raw`: whether its chain of
     parents ends at a root (no parent, a parent no span has, itself as parent). False also when
@@ -356,7 +379,7 @@ def _counted_calls(spans_raw: list[_WireSpan]) -> list[ModelCall]:
     return counted
 
 
-def _lean_calls(with_usage: list[_WireSpan], by_id: dict[bytes, _WireSpan],
+def _lean_calls(with_usage: list[_WireSpan], root_id: bytes | None,
                 spans_raw: list[_WireSpan]) -> list[ModelCall] | str | None:
     """The counted model calls (`derive.usage_spans`) of a trace whose spans `with_usage` state
     usage. When every one of them names the same `mlflow.llm.model` and none states a cost, the
@@ -367,9 +390,16 @@ def _lean_calls(with_usage: list[_WireSpan], by_id: dict[bytes, _WireSpan],
     first = with_usage[0]
     attrs = first.attributes
     model_raw = attrs.model
-    if (attrs.cost is None and (len(with_usage) == 1 or all(
-            a.model == model_raw and a.cost is None for a in (raw.attributes for raw in with_usage)))
-            and _span_usage(attrs.usage) is not None and _reachable(first, by_id)):
+    one_model = attrs.cost is None
+    if one_model:
+        for raw in with_usage:
+            other = raw.attributes
+            if other.model != model_raw or other.cost is not None:
+                one_model = False
+                break
+    # Reached when its parent is the root (the first span without a parent), as in most traces.
+    if (one_model and _span_usage(attrs.usage) is not None
+            and (first.parent_span_id == root_id or _reachable(first, _by_id(spans_raw)))):
         if model_raw is None:
             return None
         name = _MODEL_NAMES.get(bytes(model_raw), _NO_NAME)
@@ -433,10 +463,10 @@ def _lean_parts(spans_raw: list[_WireSpan]) -> tuple[Span | None, list[Document]
             kind = kinds.get(kind_raw)
             root = _root_span(root_raw, kind if kind is not None else _kind_of(kind_raw),
                               root_raw.span_id.hex())
-        # Span id -> the last span of that id, as `derive()`'s maps hold them.
-        by_id = ({raw.span_id: raw for raw in spans_raw} if with_usage or len(retrievers) > 1 else {})
-        counted = _lean_calls(with_usage, by_id, spans_raw) if with_usage else []
+        counted = (_lean_calls(with_usage, None if root_raw is None else root_raw.span_id, spans_raw)
+                   if with_usage else [])
         if len(retrievers) > 1:
+            by_id = _by_id(spans_raw)
             retrievers = [raw for raw in retrievers if not _nested_retriever(raw, by_id)]
             retrievers.sort(key=_span_start)  # stable, as `derive()`'s: a tie keeps the spans' order
         retrieved = None
@@ -449,6 +479,7 @@ def _lean_parts(spans_raw: list[_WireSpan]) -> tuple[Span | None, list[Document]
                     retrieved.extend(_raw_documents(raw.attributes.outputs))
         trajectory = []
         if tools:
+            loads, string_decode = orjson.loads, _STRING_DECODER.decode
             if len(tools) > 1:
                 tools.sort(key=_span_start)
             for raw in tools:
@@ -456,8 +487,11 @@ def _lean_parts(spans_raw: list[_WireSpan]) -> tuple[Span | None, list[Document]
                     trajectory.append(ToolCall(root.tool_name or root.name, root.inputs or None))
                     continue
                 inputs = raw.attributes.inputs
-                if inputs is not None:
-                    inputs = _tool_inputs(inputs)
+                if inputs is not None:  # `_tool_inputs`, inlined
+                    try:
+                        inputs = loads(string_decode(inputs))
+                    except (msgspec.ValidationError, orjson.JSONDecodeError):
+                        inputs = _raw_attr(inputs)
                 name = _tool_name(inputs) if type(inputs) is dict and "call" in inputs else None
                 trajectory.append(ToolCall(name or raw.name, inputs or None))
     except (_Malformed, KeyError, TypeError, ValueError, RecursionError):
@@ -570,7 +604,7 @@ def derive_canonical_json(payload: bytes | str, *, app_tag: str | None = None,
     try:
         info = wire.info
         # Trace-level usage, when stated, is what derivation reports: span usage goes unread.
-        usage = _stated_usage(info.trace_metadata)
+        usage = _trace_usage(info.trace_metadata)
         parts = None if usage is None else _lean_parts(wire.data.spans)
         spans = [] if parts is not None else _spans(wire.data.spans)
         trace = _trace(info, spans, app_tag, usage, session_tag)
@@ -602,7 +636,7 @@ def parse_canonical_json(payload: bytes | str, *, app_tag: str | None = None,
     if wire is None:
         return None
     try:
-        usage = _stated_usage(wire.info.trace_metadata)
+        usage = _trace_usage(wire.info.trace_metadata)
         return _trace(wire.info, _spans(wire.data.spans), app_tag, usage, session_tag)
     except _NOT_READ:
         return None
