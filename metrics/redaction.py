@@ -28,7 +28,7 @@ are covered by tests/test_redaction.py; bench/bench_redaction.py measures the CP
 
 The original text is never logged or stored by this module: a session keeps the value -> placeholder
 map in memory for the judgement's lifetime only, and the redactor's cache of per-line findings holds
-BLAKE2 digests and offsets, no text.
+keyed hashes and offsets, no text (`_line_key`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ import contextvars
 import hashlib
 import importlib
 import ipaddress
+import os
 import re
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -69,16 +71,14 @@ KINDS: tuple[str, ...] = (*BUILTIN_KINDS, "custom")
 SpanFinder = Callable[[str], Iterable[Sequence[Any]]]
 
 
+# A digit's value doubled, less 9 when over 9 (Luhn).
+_LUHN_DOUBLED = (0, 2, 4, 6, 8, 1, 3, 5, 7, 9)
+
+
 def luhn_ok(digits: str) -> bool:
-    total = 0
-    for i, ch in enumerate(reversed(digits)):
-        d = ord(ch) - 48
-        if i % 2:
-            d *= 2
-            if d > 9:
-                d -= 9
-        total += d
-    return total % 10 == 0
+    """The Luhn check of a string of ASCII digits: every second digit from the right doubled."""
+    rev = digits[::-1]
+    return (sum(map(int, rev[::2])) + sum(map(_LUHN_DOUBLED.__getitem__, map(int, rev[1::2])))) % 10 == 0
 
 
 def iban_ok(iban: str) -> bool:
@@ -141,11 +141,13 @@ _PHONE = re.compile(
 )
 
 
-_NOT_DIGIT = re.compile(r"\D+")
+# The characters between a number's digits in the numeric detectors' matches.
+_SEPARATORS = str.maketrans("", "", " .()+-")
 
 
-def _digits(s: str) -> str:
-    return _NOT_DIGIT.sub("", s)
+def _number_key(s: str) -> str:
+    """A phone, card or SSN match's digits (its other characters are all `_SEPARATORS`)."""
+    return s.translate(_SEPARATORS)
 
 
 def _find_iban(text: str) -> Iterable[tuple[int, int, str]]:
@@ -177,9 +179,9 @@ def _find_email(text: str) -> Iterable[tuple[int, int, str]]:
         at = text.find("@", max(at + 1, end))
 
 
-def _find_card(text: str) -> Iterable[tuple[int, int, str]]:
-    for m in _CARD.finditer(text):
-        digits = _digits(m.group())
+def _find_card(text: str, pos: int = 0, endpos: int = sys.maxsize) -> Iterable[tuple[int, int, str]]:
+    for m in _CARD.finditer(text, pos, endpos):
+        digits = _number_key(m.group())
         if 13 <= len(digits) <= 19 and luhn_ok(digits):
             yield m.start(), m.end(), digits
 
@@ -196,19 +198,19 @@ def _find_ipv6(text: str) -> Iterable[tuple[int, int, str]]:
         yield m.start(), m.end(), addr.compressed
 
 
-def _find_phone(text: str) -> Iterable[tuple[int, int, str]]:
-    for m in _PHONE.finditer(text):
-        digits = _digits(m.group())
+def _find_phone(text: str, pos: int = 0, endpos: int = sys.maxsize) -> Iterable[tuple[int, int, str]]:
+    for m in _PHONE.finditer(text, pos, endpos):
+        digits = _number_key(m.group())
         if 7 <= len(digits) <= 15:
             yield m.start(), m.end(), digits
 
 
-def _regex(pattern: re.Pattern[str], norm: Callable[[str], str] = str) -> Callable[[str], Iterable]:
+def _regex(pattern: re.Pattern[str], norm: Callable[[str], str] = str) -> Callable[..., Iterable]:
     """Spans of `pattern`'s matches; of its group 1 when it has groups (the value next to a name)."""
     g = 1 if pattern.groups else 0
 
-    def find(text: str) -> Iterable[tuple[int, int, str]]:
-        for m in pattern.finditer(text):
+    def find(text: str, pos: int = 0, endpos: int = sys.maxsize) -> Iterable[tuple[int, int, str]]:
+        for m in pattern.finditer(text, pos, endpos):
             if m.group(g) is not None:
                 yield m.start(g), m.end(g), norm(m.group(g))
 
@@ -219,19 +221,25 @@ def _regex(pattern: re.Pattern[str], norm: Callable[[str], str] = str) -> Callab
 class _Detector:
     kind: str  # the metric label
     label: str  # the placeholder's type: <LABEL_n>
-    find: Callable[[str], Iterable[tuple[int, int, str]]]
+    # (text) -> (start, end, value) of its matches; a numeric detector's also takes (pos, endpos),
+    # as `re.Pattern.finditer` does, and finds only matches that start at or after `pos`.
+    find: Callable[..., Iterable[tuple[int, int, str]]]
     # Cheap test that the text may hold a match at all (skips the regex on most texts).
     hint: Callable[[str], bool] | None = None
     # Matches are runs of digits and separators: search only the `_NUMERIC` windows (CPU, see below)
-    # that pass `hint`.
+    # that pass `hint` and hold at least `min_digits` digits (one match's fewest).
     numeric: bool = False
+    min_digits: int = 0
 
 
 # Every phone, card, SSN and IPv4 match is such a run (7+ characters, digits at both ends). One pass
 # of this pattern finds the few windows the numeric detectors need to look at, instead of each of them
 # scanning the whole prompt: most prompts hold years, prices and ids but no such run.
 _NUMERIC = re.compile(r"[\d+(][\d .()+-]{5,}\d")
-# Characters of context either side of a window (the detectors' look-behinds and look-aheads).
+# The same on an ASCII line, where \d is [0-9]: a range is tested inline, \d by a call per character
+# (half the time on a prompt).
+_NUMERIC_ASCII = re.compile(r"[0-9+(][0-9 .()+-]{5,}[0-9]")
+# Characters after a window the detectors' look-aheads may read (their look-behinds read the text before).
 _MARGIN = 8
 
 
@@ -256,6 +264,11 @@ def _aws_hint(text: str) -> bool:
     return "ecret_" in text or "ECRET_" in text
 
 
+def _phone_hint(window: str) -> bool:
+    # Every `_PHONE` form holds a "+" or a separator: a bare run of digits is an id, never a phone.
+    return not window.isdigit()
+
+
 # A full address without "::" has seven colons between hex groups; a literal first character keeps
 # the scan on sre's fast path.
 _IPV6_HINT = re.compile(r":[0-9A-Fa-f]{1,4}:[0-9A-Fa-f]{1,4}:")
@@ -269,15 +282,28 @@ def _ipv6_hint(text: str) -> bool:
 # it is written (case of an address, separators of a number).
 _KEY: dict[str, Callable[[str], str]] = {
     "email": str.lower,
-    "phone": _digits,
-    "card": _digits,
+    "phone": _number_key,
+    "card": _number_key,
     "iban": lambda v: v.replace(" ", "").upper(),
     "ip": str.lower,
-    "ssn": _digits,
+    "ssn": _number_key,
     "secret": str,
 }
-# Lines whose findings `Redactor._line_spans` remembers (digests and offsets only).
+# Lines whose findings `Redactor._remember` keeps (keys and offsets only).
 _LINE_CACHE_MAX = 8192
+# Python's str hash is SipHash-1-3 under a key drawn at random for each process, unless
+# PYTHONHASHSEED fixes it (then anyone can compute it, and craft a line that collides with another).
+_HASH_KEY_IS_SECRET = os.environ.get("PYTHONHASHSEED", "random") == "random"
+
+
+def _line_key(line: str) -> object:
+    """A line's key in the findings cache: no text. Its 64-bit keyed str hash and its length: a line
+    that collides with a remembered one of the same length (about 1 in 2**64 / 8192 per line, and
+    not to be crafted without the process's key) would get that line's findings. A fifth of the cost
+    of a BLAKE2 digest per line, which is what a process whose hash key is fixed uses instead."""
+    if _HASH_KEY_IS_SECRET:
+        return (hash(line), len(line))
+    return hashlib.blake2b(line.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 # Order is priority: an earlier detector's span wins an overlap.
 _BUILTIN: dict[str, _Detector] = {
@@ -285,11 +311,11 @@ _BUILTIN: dict[str, _Detector] = {
     "aws_secret": _Detector("secret", "SECRET", _regex(_AWS_SECRET), _aws_hint),
     "email": _Detector("email", "EMAIL", _find_email),
     "iban": _Detector("iban", "IBAN", _find_iban),
-    "card": _Detector("card", "CARD", _find_card, lambda w: len(w) >= 13, numeric=True),
-    "ssn": _Detector("ssn", "SSN", _regex(_SSN), lambda w: "-" in w, numeric=True),
-    "ip": _Detector("ip", "IP", _regex(_IPV4), lambda w: "." in w, numeric=True),
+    "card": _Detector("card", "CARD", _find_card, numeric=True, min_digits=13),
+    "ssn": _Detector("ssn", "SSN", _regex(_SSN), lambda w: w.count("-") >= 2, numeric=True, min_digits=9),
+    "ip": _Detector("ip", "IP", _regex(_IPV4), lambda w: w.count(".") >= 3, numeric=True, min_digits=4),
     "ipv6": _Detector("ip", "IP", _find_ipv6, _ipv6_hint),
-    "phone": _Detector("phone", "PHONE", _find_phone, numeric=True),
+    "phone": _Detector("phone", "PHONE", _find_phone, _phone_hint, numeric=True, min_digits=7),
 }
 
 
@@ -335,8 +361,8 @@ class RedactionMetrics:
             ["kind"],
             registry=registry,
         )
-        for kind in KINDS:
-            self.redactions.labels(kind=kind)
+        # Each kind's child, resolved once: `labels()` takes a lock and builds a key on every call.
+        self.by_kind = {kind: self.redactions.labels(kind=kind) for kind in KINDS}
 
 
 class RedactionError(Exception):
@@ -369,7 +395,7 @@ class Redactor:
         self._pem = "secret" in wanted
         self._custom = custom
         self._finder = finder
-        self._lines: dict[bytes, tuple[tuple[int, int, str, str], ...]] = {}
+        self._lines: dict[object, tuple[tuple[int, int, str, str], ...]] = {}
         self.metrics = metrics
 
     @classmethod
@@ -388,24 +414,35 @@ class Redactor:
     def session(self) -> Redaction:
         return Redaction(self)
 
+    def forget(self) -> None:
+        """Drop the remembered findings of lines seen so far (the cache of `_remember`)."""
+        self._lines.clear()
+
     def _spans(self, text: str) -> list[tuple[int, int, str, str, str]]:
         """Non-overlapping (start, end, kind, label, key) spans, in text order.
 
         Priority on overlap: secrets, then the user's patterns and callable, then the other kinds.
         The built-in detectors other than PEM keys never match across a line break, so they run per
-        line, and a line's findings are remembered (`_line_spans`): the request, response and context
+        line, and a line's findings are remembered (`_remember`): the request, response and context
         recur in every judge's prompt of a record, and prompt templates in every record."""
         line_found: list[tuple[int, int, str, str, str]] = []
+        remembered = self._lines.get
+        keyed_hash = _HASH_KEY_IS_SECRET
         pos = 0
-        for line in text.split("\n"):
+        for line in text.split("\n"):  # the hottest loop of redaction: `_line_key` is inlined
             if line:
-                for start, end, kind, label in self._line_spans(line):
+                key = (hash(line), len(line)) if keyed_hash else _line_key(line)
+                hit = remembered(key)
+                if hit is None:
+                    hit = self._remember(key, line)
+                for start, end, kind, label in hit:
                     start, end = start + pos, end + pos
                     line_found.append((start, end, kind, label, _KEY[kind](text[start:end])))
             pos += len(line) + 1
         has_pem = self._pem and "-----BEGIN" in text
-        if not line_found and not has_pem and not self._custom and self._finder is None:
-            return line_found  # the common case: nothing to replace, nothing more to allocate
+        if not has_pem and not self._custom and self._finder is None:
+            # The common case: each line's findings are resolved and in order, and lines do not overlap.
+            return line_found
         found: list[tuple[int, int, str, str, str]] = []
         if has_pem:
             found += [(m.start(), m.end(), "secret", "SECRET", m.group()) for m in _PEM.finditer(text)]
@@ -418,35 +455,35 @@ class Redactor:
         found.sort()
         return found
 
-    def _line_spans(self, line: str) -> tuple[tuple[int, int, str, str], ...]:
-        """A line's (start, end, kind, label) findings, from the cache when the line was seen lately.
+    def _remember(self, key: object, line: str) -> tuple[tuple[int, int, str, str], ...]:
+        """A line's (start, end, kind, label) findings, in order, remembered under its `_line_key`.
 
-        The cache is keyed by a 128-bit BLAKE2 digest of the line and holds offsets only, so it keeps
-        no text (no personal data) beyond the judgement; it is bounded (`_LINE_CACHE_MAX`)."""
-        digest = hashlib.blake2b(line.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-        hit = self._lines.get(digest)
-        if hit is None:
-            hit = tuple((a, b, kind, label) for a, b, kind, label, _ in self._scan(line))
-            if len(self._lines) >= _LINE_CACHE_MAX:
-                self._lines.clear()
-            self._lines[digest] = hit
-        return hit
+        The cache holds keys and offsets only, so it keeps no text (no personal data) beyond the
+        judgement; it is bounded (`_LINE_CACHE_MAX`)."""
+        found = tuple(sorted((a, b, kind, label) for a, b, kind, label, _ in self._scan(line)))
+        if len(self._lines) >= _LINE_CACHE_MAX:
+            self._lines.clear()
+        self._lines[key] = found
+        return found
 
     def _scan(self, text: str) -> list[tuple[int, int, str, str, str]]:
         """The built-in per-line detectors on one line, resolved in priority order."""
         found: list[tuple[int, int, str, str, str]] = []
-        windows: list[tuple[int, int]] | None = None
+        windows: list[tuple[int, int, str, int]] | None = None
         for d in self._detectors:
             if d.numeric:
                 if windows is None:
-                    windows = [m.span() for m in _NUMERIC.finditer(text)]
-                for lo, hi in windows:
-                    if d.hint is not None and not d.hint(text[lo:hi]):
+                    windows = []
+                    for m in (_NUMERIC_ASCII if text.isascii() else _NUMERIC).finditer(text):
+                        window = m.group()
+                        windows.append((*m.span(), window, len(window.translate(_SEPARATORS))))
+                for lo, hi, window, digits in windows:
+                    if digits < d.min_digits or (d.hint is not None and not d.hint(window)):
                         continue
-                    base = max(0, lo - _MARGIN)
-                    for start, end, key in d.find(text[base : hi + _MARGIN]):
-                        start, end = start + base, end + base
-                        if lo <= start < end <= hi and not _overlaps(found, start, end):
+                    # A match starts at a digit, "+" or "(" (what a window starts with): none starts
+                    # before the window and runs into it. Look-behinds see the text before `lo`.
+                    for start, end, key in d.find(text, lo, hi + _MARGIN):
+                        if end <= hi and not _overlaps(found, start, end):
                             found.append((start, end, d.kind, d.label, key))
                 continue
             if d.hint is not None and not d.hint(text):
@@ -525,7 +562,7 @@ class Redaction:
         for kind, n in counted.items():
             self.counts[kind] = self.counts.get(kind, 0) + n
             if metrics is not None:
-                metrics.redactions.labels(kind=kind).inc(n)
+                metrics.by_kind[kind].inc(n)
         return "".join(parts)
 
     def texts(self, texts: Iterable[str]) -> list[str]:

@@ -5,8 +5,10 @@ a corpus was seeded with, while a control set without personal data is sent byte
 from __future__ import annotations
 
 import logging
+import os
 import re
 import subprocess
+import sys
 from collections import Counter
 from typing import Any
 
@@ -375,6 +377,41 @@ def test_one_session_numbers_per_type_and_sessions_do_not_share() -> None:
     assert s.text(f"{EMAIL_B} {EMPLOYEE} {EMAIL_A}") == "<EMAIL_2> <EMPLOYEE_ID_1> <EMAIL_1>"
     assert s.counts == {"email": 4, "custom": 1}
     assert redactor.session().text(EMAIL_B) == "<EMAIL_1>"
+
+
+def test_numbers_in_other_scripts_are_checked_by_their_digit_values() -> None:
+    # Arabic-Indic digits: \d matches them, and the Luhn check reads their values (a valid card is
+    # replaced, one that fails the check is not).
+    arabic = str.maketrans("0123456789", "٠١٢٣٤٥٦٧٨٩")
+    assert redact(f"card {CARD.translate(arabic)} paid") == "card <CARD_1> paid"
+    bad = "4111 1111 1111 1112".translate(arabic)
+    assert redact(f"ref {bad} here") == f"ref {bad} here"
+    assert redact(f"call {PHONE_INTL.translate(arabic)} now") == "call <PHONE_1> now"
+
+
+def test_the_line_cache_holds_no_text_and_forgets_on_request() -> None:
+    redactor = Redactor()
+    text = f"{EMAIL_A} {CARD} {PHONE_INTL}\nplain line"
+    assert redactor.session().text(text) == "<EMAIL_1> <CARD_1> <PHONE_1>\nplain line"
+    cached = repr(redactor._lines)
+    assert redactor._lines and not any(v in cached for v in (EMAIL_A, "4111", "7946", "plain"))
+    assert all(type(k) in (tuple, bytes) for k in redactor._lines)
+    assert redactor.session().text(text) == "<EMAIL_1> <CARD_1> <PHONE_1>\nplain line"  # from the cache
+    redactor.forget()
+    assert not redactor._lines
+
+
+@pytest.mark.parametrize(("seed", "key_type"), [(None, "tuple"), ("0", "bytes"), ("1234", "bytes")])
+def test_a_fixed_hash_seed_keys_the_line_cache_by_blake2(seed: str | None, key_type: str) -> None:
+    # With PYTHONHASHSEED fixed, str hashes can be computed (and collisions crafted) outside the
+    # process: the cache keys lines by a BLAKE2 digest instead.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    if seed is not None:
+        env["PYTHONHASHSEED"] = seed
+    code = ("from tracejudge.metrics.redaction import Redactor; r = Redactor(); "
+            "print(r.session().text('mail a.b@example.org'), type(next(iter(r._lines))).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["mail", "<EMAIL_1>", key_type]
 
 
 # ------------------------------------------------------------------------------------------ configuration
