@@ -22,8 +22,9 @@ true}` (the default) and one with `{enabled: false}`:
 
 Target: redaction adds under 10% to the record's judging CPU.
 
-    python bench/bench_redaction.py                      # 400 records x 7 rounds
-    python bench/bench_redaction.py --records 1000 --rounds 5
+    python bench/bench_redaction.py                      # 400 records x 15 rounds (~40 s)
+    python bench/bench_redaction.py --records 1000 --rounds 9
+    python bench/bench_redaction.py --aa                 # both runners without redaction: the noise
 """
 
 from __future__ import annotations
@@ -173,13 +174,15 @@ def redactor_alone(recs: list[EvalRecord]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--records", type=int, default=400)
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--aa", action="store_true",
+                    help="an A/A run: the first runner without redaction too, to show the method's noise")
     args = ap.parse_args()
     recs = records(args.records)
     proc, url = start_endpoint()
     meter = InlineMeter()
     try:
-        with (JudgeRunner(config(url, True), registry=CollectorRegistry()) as on,
+        with (JudgeRunner(config(url, not args.aa), registry=CollectorRegistry()) as on,
               JudgeRunner(config(url, False), registry=CollectorRegistry()) as off):
             runners = {True: on, False: off}
             for runner in runners.values():  # warm: connections, imports, the first-call paths
@@ -192,15 +195,19 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=10)
     with_ms, without_ms = per_record[True] * 1e3, per_record[False] * 1e3
-    alone_ms = redactor_alone(recs) * 1e3
     print(f"records: {args.records} in batches of {BATCH}, {args.rounds} rounds, 4 judge calls per record")
+    if args.aa:
+        print(f"CPU per record, first runner:  {with_ms:.3f} ms (no redaction)")
+        print(f"CPU per record, second runner: {without_ms:.3f} ms (no redaction)")
+        print(f"A/A difference: {(with_ms - without_ms) / without_ms:+.1%}")
+        return
     print(f"judgements on redacted text per pass: {redacted} of {4 * args.records}")
     print(f"texts through the redactor per record: {texts_per_record}")
     print(f"CPU per record without redaction: {without_ms:.3f} ms")
     print(f"CPU per record with redaction:    {with_ms:.3f} ms")
     print(f"in-line redactor CPU per record:  {inline * 1e3:.3f} ms "
           f"({inline / (per_record[True] - inline):+.1%} of the rest of the record's judging CPU)")
-    print(f"redactor alone on the record's texts, no HTTP: {alone_ms:.3f} ms per record")
+    print(f"redactor alone on the record's texts, no HTTP: {redactor_alone(recs) * 1e3:.3f} ms per record")
     print(f"added by redaction (A/B): {(with_ms - without_ms) / without_ms:+.1%} (target: < +10%)")
 
 

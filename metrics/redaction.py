@@ -291,6 +291,8 @@ _KEY: dict[str, Callable[[str], str]] = {
 }
 # Lines whose findings `Redactor._remember` keeps (keys and offsets only).
 _LINE_CACHE_MAX = 8192
+# How far into a line a label ("Request: ") is looked for.
+_LABEL_MAX = 48
 # Python's str hash is SipHash-1-3 under a key drawn at random for each process, unless
 # PYTHONHASHSEED fixes it (then anyone can compute it, and craft a line that collides with another).
 _HASH_KEY_IS_SECRET = os.environ.get("PYTHONHASHSEED", "random") == "random"
@@ -459,8 +461,25 @@ class Redactor:
         """A line's (start, end, kind, label) findings, in order, remembered under its `_line_key`.
 
         The cache holds keys and offsets only, so it keeps no text (no personal data) beyond the
-        judgement; it is bounded (`_LINE_CACHE_MAX`)."""
-        found = tuple(sorted((a, b, kind, label) for a, b, kind, label, _ in self._scan(line)))
+        judgement; it is bounded (`_LINE_CACHE_MAX`).
+
+        A line that starts with a short label, "Request: ...", is read as the label and the rest, the
+        rest remembered on its own: a custom judge's template puts a value after a label while the
+        built-in judges' prompts give it a line of its own, and the value is then scanned once. No
+        built-in detector's match holds ": " or is told apart by a space before it, but an AWS
+        secret's, whose name may be the label: such a line is scanned whole."""
+        cut = line.find(": ", 0, _LABEL_MAX)
+        if cut != -1 and cut + 2 < len(line) and not _aws_hint(line[: cut + 2]):
+            rest = line[cut + 2 :]
+            rest_key = (hash(rest), len(rest)) if _HASH_KEY_IS_SECRET else _line_key(rest)
+            in_rest = self._lines.get(rest_key)
+            if in_rest is None:
+                in_rest = self._remember(rest_key, rest)
+            shift = cut + 2
+            found = tuple(sorted((a, b, kind, label) for a, b, kind, label, _ in self._scan(line[:shift])))
+            found += tuple((a + shift, b + shift, kind, label) for a, b, kind, label in in_rest)
+        else:
+            found = tuple(sorted((a, b, kind, label) for a, b, kind, label, _ in self._scan(line)))
         if len(self._lines) >= _LINE_CACHE_MAX:
             self._lines.clear()
         self._lines[key] = found

@@ -401,6 +401,22 @@ def test_the_line_cache_holds_no_text_and_forgets_on_request() -> None:
     assert not redactor._lines
 
 
+def test_a_labelled_line_reuses_its_value_and_a_secret_named_by_the_label_is_found() -> None:
+    redactor = Redactor()
+    value = f"{EMAIL_A} paid with {CARD} from {IPV4}"
+    session = redactor.session()
+    assert session.text(value) == "<EMAIL_1> paid with <CARD_1> from <IP_1>"
+    remembered = len(redactor._lines)
+    # A custom judge's "Request: {request}": the value's findings are reused, shifted past the label.
+    assert session.text(f"Request: {value}") == "Request: <EMAIL_1> paid with <CARD_1> from <IP_1>"
+    assert len(redactor._lines) == remembered + 1  # the labelled line; its value was remembered
+    assert redact(f"Request: Bearer {BEARER}") == "Request: Bearer <SECRET_1>"
+    # An AWS secret's name can be the label: that line is scanned whole.
+    secret = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+    assert redact(f"aws_secret_access_key: {secret}") == "aws_secret_access_key: <SECRET_1>"
+    assert redact(f"Secret_Access_Key: {secret}\n{secret}") == f"Secret_Access_Key: <SECRET_1>\n{secret}"
+
+
 @pytest.mark.parametrize(("seed", "key_type"), [(None, "tuple"), ("0", "bytes"), ("1234", "bytes")])
 def test_a_fixed_hash_seed_keys_the_line_cache_by_blake2(seed: str | None, key_type: str) -> None:
     # With PYTHONHASHSEED fixed, str hashes can be computed (and collisions crafted) outside the
