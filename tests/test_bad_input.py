@@ -272,6 +272,8 @@ def _mutated(draw: st.DrawFn, base: dict[str, Any]) -> dict[str, Any]:
     doc = base
     for _ in range(draw(st.integers(1, 3))):
         paths = list(_paths(doc))
+        if not paths:  # every key deleted: {} is the mutated record
+            break
         path = draw(st.sampled_from(paths))
         action = draw(st.sampled_from(["replace", "replace", "delete", "add"]))
         if action == "add":
