@@ -17,9 +17,9 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from operator import attrgetter
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import orjson
@@ -42,7 +42,11 @@ __all__ = [
     "sum_token_usage",
     "top_level_retrievers",
     "usage_spans",
+    "usage_walk",
 ]
+
+T = TypeVar("T")
+U = TypeVar("U")
 
 # Enum member lookups cost ~140 ns each on Python 3.11; per-span loops use these.
 _TOOL, _RETRIEVER, _ERROR = SpanKind.TOOL, SpanKind.RETRIEVER, SpanStatus.ERROR
@@ -345,25 +349,38 @@ def usage_spans(spans: list[Span]) -> list[Span]:
     does not descend below a span with its own usage, so a wrapper span that rolls up its inner
     model call's usage is counted and the inner call is not (MLflow's `aggregate_usage_from_spans`
     does the same)."""
-    ids = {s.span_id for s in spans}
-    children: dict[str, list[Span]] = {}
-    stack: list[Span] = []
+    return [span for span, _ in usage_walk(spans, _span_id, _parent_id, _token_usage)]
+
+
+_span_id, _parent_id, _token_usage = attrgetter("span_id"), attrgetter("parent_id"), attrgetter("token_usage")
+
+
+def usage_walk(spans: Sequence[T], span_id: Callable[[T], Any], parent_id: Callable[[T], Any],
+               usage: Callable[[T], U | None]) -> list[tuple[T, U]]:
+    """`usage_spans`' walk over spans of any shape (the MLflow wire reader's too): each counted span
+    with its usage, in the walk's order. A span is a root when it has no parent, a parent no span
+    has, or itself as parent."""
+    ids = {span_id(s) for s in spans}
+    children: dict[Any, list[T]] = {}
+    stack: list[T] = []
     for span in spans:
-        if span.parent_id and span.parent_id in ids and span.parent_id != span.span_id:
-            children.setdefault(span.parent_id, []).append(span)
+        parent = parent_id(span)
+        if parent and parent in ids and parent != span_id(span):
+            children.setdefault(parent, []).append(span)
         else:
             stack.append(span)
-    counted: list[Span] = []
+    counted: list[tuple[T, U]] = []
     seen: set[int] = set()
     while stack:
         span = stack.pop()
         if id(span) in seen:  # duplicate span ids can make a node reachable twice
             continue
         seen.add(id(span))
-        if span.token_usage is not None:
-            counted.append(span)
+        stated = usage(span)
+        if stated is not None:
+            counted.append((span, stated))
             continue
-        stack.extend(children.get(span.span_id, ()))
+        stack.extend(children.get(span_id(span), ()))
     return counted
 
 

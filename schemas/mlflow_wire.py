@@ -40,6 +40,7 @@ from tracejudge.schemas.derive import (
     derived_record,
     documents_from_output,
     one_model_calls,
+    usage_walk,
 )
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.mlflow import (
@@ -351,32 +352,18 @@ def _reachable(raw: _WireSpan, by_id: dict[bytes, _WireSpan]) -> bool:
 
 
 def _counted_calls(spans_raw: list[_WireSpan]) -> list[ModelCall]:
-    """`model_calls(usage_spans(...))` of the spans as the general reader builds them: a depth-first
-    walk from the roots that does not descend below a span with its own usage, in the same order."""
-    ids = {raw.span_id for raw in spans_raw}
-    children: dict[bytes, list[_WireSpan]] = {}
-    stack: list[_WireSpan] = []
-    for raw in spans_raw:
-        parent = raw.parent_span_id
-        if parent is not None and parent in ids and parent != raw.span_id:
-            children.setdefault(parent, []).append(raw)
-        else:
-            stack.append(raw)
-    counted: list[ModelCall] = []
-    seen: set[int] = set()
-    while stack:
-        raw = stack.pop()
-        if id(raw) in seen:  # a repeated span id can make a span reachable twice
-            continue
-        seen.add(id(raw))
-        attrs = raw.attributes
-        if attrs.usage is not None:
-            usage = _span_usage(attrs.usage)
-            if usage is not None:
-                counted.append(_model_call(usage, attrs))
-                continue
-        stack.extend(children.get(raw.span_id, ()))
-    return counted
+    """`model_calls(usage_spans(...))` of the spans as the general reader builds them, in the same
+    order (`derive.usage_walk`)."""
+    walk = usage_walk(spans_raw, _wire_span_id, _wire_parent_id, _wire_span_usage)
+    return [_model_call(usage, raw.attributes) for raw, usage in walk]
+
+
+_wire_span_id, _wire_parent_id = attrgetter("span_id"), attrgetter("parent_span_id")
+
+
+def _wire_span_usage(raw: _WireSpan) -> TokenUsage | None:
+    usage = raw.attributes.usage
+    return None if usage is None else _span_usage(usage)
 
 
 def _lean_calls(with_usage: list[_WireSpan], root_id: bytes | None,
