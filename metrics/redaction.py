@@ -457,7 +457,7 @@ class Redactor:
         found.sort()
         return found
 
-    def _remember(self, key: object, line: str) -> tuple[tuple[int, int, str, str], ...]:
+    def _remember(self, key: object, line: str, label: bool = True) -> tuple[tuple[int, int, str, str], ...]:
         """A line's (start, end, kind, label) findings, in order, remembered under its `_line_key`.
 
         The cache holds keys and offsets only, so it keeps no text (no personal data) beyond the
@@ -468,13 +468,13 @@ class Redactor:
         built-in judges' prompts give it a line of its own, and the value is then scanned once. No
         built-in detector's match holds ": " or is told apart by a space before it, but an AWS
         secret's, whose name may be the label: such a line is scanned whole."""
-        cut = line.find(": ", 0, _LABEL_MAX)
+        cut = line.find(": ", 0, _LABEL_MAX) if label else -1  # one label: "a: b: c: ..." recurses no further
         if cut != -1 and cut + 2 < len(line) and not _aws_hint(line[: cut + 2]):
             rest = line[cut + 2 :]
             rest_key = (hash(rest), len(rest)) if _HASH_KEY_IS_SECRET else _line_key(rest)
             in_rest = self._lines.get(rest_key)
             if in_rest is None:
-                in_rest = self._remember(rest_key, rest)
+                in_rest = self._remember(rest_key, rest, label=False)
             shift = cut + 2
             found = tuple(sorted((a, b, kind, label) for a, b, kind, label, _ in self._scan(line[:shift])))
             found += tuple((a + shift, b + shift, kind, label) for a, b, kind, label in in_rest)

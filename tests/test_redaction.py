@@ -415,6 +415,8 @@ def test_a_labelled_line_reuses_its_value_and_a_secret_named_by_the_label_is_fou
     secret = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
     assert redact(f"aws_secret_access_key: {secret}") == "aws_secret_access_key: <SECRET_1>"
     assert redact(f"Secret_Access_Key: {secret}\n{secret}") == f"Secret_Access_Key: <SECRET_1>\n{secret}"
+    # Only the first label is split off: a line of thousands of "key: " is read without recursing.
+    assert redact("k: " * 5000 + EMAIL_A) == "k: " * 5000 + "<EMAIL_1>"
 
 
 @pytest.mark.parametrize(("seed", "key_type"), [(None, "tuple"), ("0", "bytes"), ("1234", "bytes")])
