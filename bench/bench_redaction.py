@@ -106,7 +106,6 @@ class InlineMeter:
     def __init__(self) -> None:
         self.seconds = 0.0
         self.texts = 0
-        self.texts_per_record = 0.0
         self._orig = Redaction.text
         meter = self
 
