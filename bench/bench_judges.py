@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,24 +38,13 @@ from tracejudge.metrics.judge_client import POOL_SHARD
 from tracejudge.metrics.judging import JudgeRunner
 from tracejudge.schemas.record import Document, EvalRecord
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stub_endpoint import start_endpoint, stop_endpoint
 
 
 def rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def start_endpoint(latency: float) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "support" / "openai_stub.py"), "--delay", str(latency)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
-    port = int(proc.stdout.readline())
-    return proc, f"http://127.0.0.1:{port}/v1"
 
 
 def records(n: int) -> list[EvalRecord]:
@@ -182,9 +170,7 @@ def main() -> None:
             raws.append(asyncio.run(raw_httpx(url, args.records, args.concurrency, POOL_SHARD)))
             judged.append(run_judges(url, args.records, args.concurrency, args.max_in_flight))
     finally:
-        assert proc.stdin is not None
-        proc.stdin.close()
-        proc.wait(timeout=10)
+        stop_endpoint(proc)
     raw, judges = median_round(raws), median_round(judged)
     theory = args.concurrency / args.latency
 

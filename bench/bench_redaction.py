@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,7 +43,8 @@ from tracejudge.metrics.judging import JudgeRunner
 from tracejudge.metrics.redaction import Redaction, Redactor
 from tracejudge.schemas.record import Document, EvalRecord
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stub_endpoint import start_endpoint, stop_endpoint
 
 POLICY = (
     "Items bought in 2024 can be returned within 30 days of delivery for a full refund of the price "
@@ -76,18 +76,6 @@ def records(n: int) -> list[EvalRecord]:
             )
         )
     return out
-
-
-def start_endpoint() -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "support" / "openai_stub.py"), "--delay", "0"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
-    port = int(proc.stdout.readline())
-    return proc, f"http://127.0.0.1:{port}/v1"
 
 
 def config(url: str, enabled: bool) -> dict[str, Any]:
@@ -178,7 +166,7 @@ def main() -> None:
                     help="an A/A run: the first runner without redaction too, to show the method's noise")
     args = ap.parse_args()
     recs = records(args.records)
-    proc, url = start_endpoint()
+    proc, url = start_endpoint(0)
     meter = InlineMeter()
     try:
         with (JudgeRunner(config(url, not args.aa), registry=CollectorRegistry()) as on,
@@ -191,8 +179,7 @@ def main() -> None:
             texts_per_record = meter.texts
             per_record, inline, redacted = measure(runners, recs, args.rounds, meter)
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        stop_endpoint(proc)
     with_ms, without_ms = per_record[True] * 1e3, per_record[False] * 1e3
     print(f"records: {args.records} in batches of {BATCH}, {args.rounds} rounds, 4 judge calls per record")
     if args.aa:

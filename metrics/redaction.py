@@ -429,11 +429,10 @@ class Redactor:
         recur in every judge's prompt of a record, and prompt templates in every record."""
         line_found: list[tuple[int, int, str, str, str]] = []
         remembered = self._lines.get
-        keyed_hash = _HASH_KEY_IS_SECRET
         pos = 0
-        for line in text.split("\n"):  # the hottest loop of redaction: `_line_key` is inlined
+        for line in text.split("\n"):
             if line:
-                key = (hash(line), len(line)) if keyed_hash else _line_key(line)
+                key = _line_key(line)
                 hit = remembered(key)
                 if hit is None:
                     hit = self._remember(key, line)
@@ -471,7 +470,7 @@ class Redactor:
         cut = line.find(": ", 0, _LABEL_MAX) if label else -1  # one label: "a: b: c: ..." recurses no further
         if cut != -1 and cut + 2 < len(line) and not _aws_hint(line[: cut + 2]):
             rest = line[cut + 2 :]
-            rest_key = (hash(rest), len(rest)) if _HASH_KEY_IS_SECRET else _line_key(rest)
+            rest_key = _line_key(rest)
             in_rest = self._lines.get(rest_key)
             if in_rest is None:
                 in_rest = self._remember(rest_key, rest, label=False)

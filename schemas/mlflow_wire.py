@@ -466,7 +466,6 @@ def _lean_parts(spans_raw: list[_WireSpan]) -> tuple[Span | None, list[Document]
                     retrieved.extend(_raw_documents(raw.attributes.outputs))
         trajectory = []
         if tools:
-            loads, string_decode = orjson.loads, _STRING_DECODER.decode
             if len(tools) > 1:
                 tools.sort(key=_span_start)
             for raw in tools:
@@ -474,11 +473,8 @@ def _lean_parts(spans_raw: list[_WireSpan]) -> tuple[Span | None, list[Document]
                     trajectory.append(ToolCall(root.tool_name or root.name, root.inputs or None))
                     continue
                 inputs = raw.attributes.inputs
-                if inputs is not None:  # `_tool_inputs`, inlined
-                    try:
-                        inputs = loads(string_decode(inputs))
-                    except (msgspec.ValidationError, orjson.JSONDecodeError):
-                        inputs = _raw_attr(inputs)
+                if inputs is not None:
+                    inputs = _tool_inputs(inputs)
                 name = _tool_name(inputs) if type(inputs) is dict and "call" in inputs else None
                 trajectory.append(ToolCall(name or raw.name, inputs or None))
     except (_Malformed, KeyError, TypeError, ValueError, RecursionError):
