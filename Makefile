@@ -4,6 +4,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# The tests run in parallel worker processes (pytest-xdist), each with its own broker and servers:
+# most of their time is spent waiting on brokers, servers and subprocesses, so more workers than cores
+# pay off. TEST_WORKERS=0 runs them all in one process.
+TEST_WORKERS ?= 4
 PYTEST_ARGS ?=
 
 .PHONY: demo test lint bench clean system-packages FORCE
@@ -41,7 +45,7 @@ demo: $(VENV)/.installed-demo
 
 test: system-packages $(VENV)/.installed-test
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --numprocesses=$(TEST_WORKERS) $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .

@@ -7,6 +7,11 @@ a trace held by trace assembly, an LLM judge running on another thread) takes on
 complete. Per partition the committable offset is the lowest offset not yet complete, so a slow
 record holds back the commit of every later one: at-least-once, never at-most-once.
 
+A commit that would move nothing is never offered: a partition starts out "committed" at the first
+offset tracked for it (where reading started: the group's committed offset, or where
+`auto_offset_reset` put a group that had none), so the commit timer of a consumer whose first
+records are all still in flight neither sends a commit nor counts one in `tracejudge_commits_total`.
+
 Thread-safe: tickets are released from the producer's network thread and, later, from judge threads,
 while the poll loop tracks new records and the rebalance listener revokes partitions.
 """
@@ -41,6 +46,8 @@ class _Partition:
         self.done: set[int] = set()
         # The offset to commit if everything tracked so far were complete: last tracked + 1.
         self.next_offset: int | None = None
+        # The last committed offset; at first the offset reading started from, which the group (or its
+        # offset reset) already points at: committing it again would move nothing.
         self.committed: int | None = None
         # False once revoked: late releases of old tickets must not touch a re-assigned partition.
         self.active = True
@@ -105,12 +112,14 @@ class OffsetTracker:
             part = self._parts.get(tp)
             if part is None:
                 part = self._parts[tp] = _Partition()
+                part.committed = offset
             elif part.next_offset is not None and offset < part.next_offset:
                 # A seek back (re-delivery after a rebalance): forget the old bookkeeping; the records
                 # from `offset` on will be tracked again as they come.
                 self._in_flight -= len(part.pending) - len(part.done)
                 part.active = False
                 part = self._parts[tp] = _Partition()
+                part.committed = offset
             part.pending.append(offset)
             part.next_offset = offset + 1
             self._in_flight += 1
@@ -135,7 +144,9 @@ class OffsetTracker:
     def committable(
         self, tps: Iterable[TopicPartition] | None = None
     ) -> dict[TopicPartition, OffsetAndMetadata]:
-        """The next offset to commit for each partition that advanced since its last commit."""
+        """The next offset to commit for each partition that advanced since its last commit (or, before
+        its first commit, since the offset reading started from): a commit that would move nothing is
+        left out, so callers neither send it nor count it."""
         with self._lock:
             wanted = self._parts if tps is None else {tp: self._parts[tp] for tp in tps if tp in self._parts}
             out: dict[TopicPartition, OffsetAndMetadata] = {}

@@ -25,7 +25,9 @@ def test_in_order_completion_commits_the_next_offset_to_read():
     tracker = OffsetTracker()
     tickets = [tracker.track(TP, o) for o in range(10, 13)]
     assert tracker.in_flight == 3
-    assert commit_point(tracker) == 10  # nothing complete: the first tracked offset
+    # Nothing complete: the commit point is the first tracked offset, where reading started, so
+    # committing it would move nothing and it is not offered.
+    assert commit_point(tracker) is None
     for t in tickets:
         t.release()
     assert tracker.in_flight == 0
@@ -37,7 +39,7 @@ def test_out_of_order_completion_commits_only_up_to_the_lowest_incomplete_offset
     t = {o: tracker.track(TP, o) for o in range(5)}
     for o in (4, 2, 3):
         t[o].release()
-    assert commit_point(tracker) == 0
+    assert commit_point(tracker) is None  # 0 is still in flight: nothing moved
     t[0].release()
     assert commit_point(tracker) == 1
     t[1].release()
@@ -51,7 +53,7 @@ def test_a_ticket_completes_when_its_last_reference_is_released():
     ticket.acquire()
     ticket.release()  # the record's own processing
     ticket.release()
-    assert commit_point(tracker) == 0 and not ticket.done
+    assert commit_point(tracker) is None and not ticket.done
     ticket.release()
     assert ticket.done and commit_point(tracker) == 1
     with pytest.raises(RuntimeError, match="released more times"):
@@ -85,7 +87,7 @@ def test_revoke_reports_unfinished_records_and_ignores_late_releases():
     # The partition comes back (to us) and is tracked afresh; the old ticket must not touch it.
     fresh = tracker.track(TP, 4)
     slow.release()
-    assert commit_point(tracker) == 4 and tracker.in_flight == 2
+    assert commit_point(tracker) is None and tracker.in_flight == 2  # 4 is where it starts again
     fresh.release()
     other.release()
     assert commit_point(tracker) == 5 and tracker.in_flight == 0
@@ -143,5 +145,5 @@ def test_commit_point_is_always_the_lowest_incomplete_offset(case):
         tickets[i].release()
         complete.add(i)
         lowest_incomplete = next((j for j in range(n) if j not in complete), n)
-        assert commit_point(tracker) == base + lowest_incomplete
+        assert commit_point(tracker) == (base + lowest_incomplete if lowest_incomplete else None)
         assert tracker.in_flight == n - len(complete)

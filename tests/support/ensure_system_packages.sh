@@ -11,7 +11,80 @@
 # installed with apt-get, as root or through sudo when it needs no password; `apt-get update` runs only
 # when a package is not in the package lists or the install fails (stale lists). Anywhere else this
 # prints the command to run and exits 1.
+#
+# The tests run their own Prometheus and Alertmanager on free loopback ports, so the packages' system
+# services are neither started nor enabled: a temporary /usr/sbin/policy-rc.d (exit 101: "action
+# forbidden") keeps invoke-rc.d and deb-systemd-invoke from starting anything during the install (an
+# existing policy-rc.d is left as it is), and afterwards every service of a package this run installed
+# (dependencies included) is disabled (deb-systemd-helper, update-rc.d) and, if it runs anyway, stopped,
+# so nothing listens on :9090/:9093 or starts at boot. Services of packages that were already there are
+# left alone.
+#
+#   sh tests/support/ensure_system_packages.sh --install-quietly PACKAGE_OR_DEB...
+#
+# runs just that install (as root), for tests/test_system_packages.py.
 set -eu
+
+policy=/usr/sbin/policy-rc.d
+installed_packages() {  # every package dpkg has installed, one a line
+    dpkg-query -W -f '${db:Status-Status} ${Package}\n' 2>/dev/null | sed -n 's/^installed //p' | sort
+}
+
+services_of() {  # services_of PACKAGE...: the systemd units and init scripts those packages ship
+    for package in "$@"; do
+        dpkg-query -L "$package" 2>/dev/null
+    done | sed -n -e 's#^/\(usr/\)\{0,1\}lib/systemd/system/\([^/]*\.\(service\|socket\|timer\)\)$#unit \2#p' \
+                  -e 's#^/etc/init\.d/\([^/]*\)$#init \1#p' | sort -u
+}
+
+quiet_install() {  # quiet_install APT-GET-INSTALL-ARGUMENTS...: install, leaving new services off
+    before=$(mktemp); after=$(mktemp)
+    made_policy=""
+    if [ ! -e "$policy" ] && [ ! -L "$policy" ]; then
+        $as_root sh -c "printf '#!/bin/sh\n# tracejudge make test: no service starts while it installs.\nexit 101\n' > $policy && chmod 755 $policy"
+        made_policy=yes
+    fi
+    trap 'rm -f "$before" "$after"; [ -z "$made_policy" ] || $as_root rm -f "$policy"' EXIT
+    installed_packages > "$before"
+    status=0
+    apt install "$@" || status=$?
+    installed_packages > "$after"
+    # shellcheck disable=SC2046  # one package name a word
+    services_of $(comm -13 "$before" "$after") | while read -r kind name; do
+        if [ "$kind" = unit ]; then
+            if command -v deb-systemd-helper >/dev/null 2>&1; then
+                $as_root deb-systemd-helper disable "$name" >/dev/null 2>&1 || true
+            fi
+            if [ -d /run/systemd/system ] && command -v systemctl >/dev/null 2>&1; then
+                $as_root systemctl disable --now "$name" >/dev/null 2>&1 || true
+            fi
+            echo "  left $name disabled and stopped (the tests run their own)"
+        elif command -v update-rc.d >/dev/null 2>&1; then
+            $as_root update-rc.d "$name" disable >/dev/null 2>&1 || true
+            if [ ! -d /run/systemd/system ] && [ -z "$made_policy" ]; then  # a policy may have let it start
+                $as_root invoke-rc.d "$name" stop >/dev/null 2>&1 || true
+            fi
+        fi
+    done
+    rm -f "$before" "$after"
+    [ -z "$made_policy" ] || $as_root rm -f "$policy"
+    trap - EXIT
+    return $status
+}
+
+apt() { $as_root env DEBIAN_FRONTEND=noninteractive apt-get -q -o DPkg::Lock::Timeout=120 "$@"; }
+
+if [ "${1:-}" = --install-quietly ]; then
+    shift
+    as_root=""
+    if [ "$(id -u)" != 0 ]; then
+        command -v sudo >/dev/null 2>&1 && sudo -n true >/dev/null 2>&1 \
+            || { echo "--install-quietly needs root (or sudo without a password)" >&2; exit 1; }
+        as_root="sudo -n"
+    fi
+    quiet_install -y --no-install-recommends "$@"
+    exit
+fi
 
 python=${1:-}
 packages=""
@@ -75,8 +148,7 @@ else
     exit 1
 fi
 
-echo "Installing the Debian packages the tests need: $packages"
-apt() { $as_root env DEBIAN_FRONTEND=noninteractive apt-get -q -o DPkg::Lock::Timeout=120 "$@"; }
+echo "Installing the Debian packages the tests need (their services neither started nor enabled): $packages"
 
 listed=yes
 for package in $packages; do
@@ -87,12 +159,12 @@ if [ "$listed" = no ]; then
     echo "Updating the package lists (they do not list $packages yet)"
     apt update -qq
     # shellcheck disable=SC2086  # $packages is a list of words
-    apt install -y --no-install-recommends $packages
+    quiet_install -y --no-install-recommends $packages
 else
     # shellcheck disable=SC2086
-    apt install -y --no-install-recommends $packages \
+    quiet_install -y --no-install-recommends $packages \
         || { echo "apt-get install failed; updating the package lists and trying again" >&2
-             apt update -qq && apt install -y --no-install-recommends $packages; }
+             apt update -qq && quiet_install -y --no-install-recommends $packages; }
 fi
 
 for command in $commands; do  # the packages must have brought what was missing

@@ -6,12 +6,16 @@
         server.stop(); server.start()                           # same port, same database
 
     server = shared_mlflow_server()                             # one per test process (session)
+    migrated_database(path)                    # an empty database at MLflow's schema, for `mlflow server`
 
 The server is the full `mlflow` package's `mlflow server` (test extra only), on a free 127.0.0.1
 port, its database and artifacts in a directory of its own, with MLflow's telemetry and job runner
 off (no network, no huey consumer). It counts as up when `/health` answers 200; it is stopped with
 SIGTERM to its process group (the CLI, uvicorn and its workers), then SIGKILL. A server that does not
-come up fails with the tail of its log.
+come up fails with the tail of its log. A new server's database starts as a copy of an empty one
+already migrated to MLflow's schema (`migrated_database`): MLflow's ~60 schema migrations take 5 s of
+CPU and far longer on a busy machine, and they are the same every time; they run once per test run
+(shared by pytest-xdist's workers through `TJTEST_SHARED_DIR`, set by tests/conftest.py).
 
 Traces reach it two ways, as they do in production:
 - `log_traces(url, experiment, questions)`: a small RAG agent traced with `@mlflow.trace`, run in a
@@ -25,6 +29,7 @@ Traces reach it two ways, as they do in production:
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
 import os
 import shutil
@@ -50,6 +55,43 @@ QUIET_ENV = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true",
              "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 
+def _template_dir() -> Path:
+    """Where the migrated template lives: the test run's shared directory, else one for this process."""
+    global _own_template_dir
+    shared = os.environ.get("TJTEST_SHARED_DIR")
+    if shared:
+        return Path(shared)
+    if _own_template_dir is None:
+        _own_template_dir = tempfile.mkdtemp(prefix="mlflow-template-")
+        atexit.register(shutil.rmtree, _own_template_dir, True)
+    return Path(_own_template_dir)
+
+
+_own_template_dir: str | None = None
+
+
+def migrated_database(path: Path) -> Path:
+    """Copy an empty MLflow SQLite database at the installed MLflow's latest schema to `path` (made
+    once per run with `mlflow db upgrade`, under a file lock so parallel workers make it once)."""
+    directory = _template_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    template = directory / "mlflow-template.db"
+    with open(directory / "mlflow-template.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not template.exists():
+            partial = directory / "mlflow-template.db.partial"
+            partial.unlink(missing_ok=True)
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "OTEL_"))}
+            env.update(QUIET_ENV)
+            proc = subprocess.run([MLFLOW_BIN, "db", "upgrade", f"sqlite:///{partial}"], env=env,
+                                  capture_output=True, text=True, timeout=600, check=False)
+            if proc.returncode != 0:
+                raise AssertionError(f"mlflow db upgrade failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+            partial.rename(template)
+    shutil.copyfile(template, path)
+    return path
+
+
 def _wait(check: Callable[[], T], timeout: float, what: str, interval: float = 0.1) -> T:
     deadline = time.monotonic() + timeout
     pause = threading.Event()
@@ -68,7 +110,10 @@ class MlflowServer:
     `stop()` and `start()` may be called again: the port and the database are kept, so a restarted
     server has every trace and assessment it had (a server "down for a while")."""
 
-    def __init__(self, workdir: Path | str | None = None, *, workers: int = 2, port: int | None = None
+    # One uvicorn worker by default: it serves the sink's concurrent requests from its thread pool, and
+    # each extra worker is another process importing MLflow at every start (the tests start servers
+    # often); bench/bench_writeback.py asks for MLflow's production default of 4.
+    def __init__(self, workdir: Path | str | None = None, *, workers: int = 1, port: int | None = None
                  ) -> None:
         self._own_dir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="mlflow-server-"))
@@ -96,6 +141,8 @@ class MlflowServer:
     def start(self) -> MlflowServer:
         if self.running:
             return self
+        if not (self.workdir / "mlflow.db").exists():
+            migrated_database(self.workdir / "mlflow.db")
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "OTEL_"))}
         env.update(QUIET_ENV)
         with self.log_path.open("ab") as log:

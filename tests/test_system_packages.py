@@ -1,0 +1,147 @@
+"""`make test` installs Prometheus and Alertmanager without starting or enabling their services.
+
+Debian's `prometheus` and `prometheus-alertmanager` packages enable their services when installed
+(`update-rc.d defaults`, `deb-systemd-helper enable`) and start them (`invoke-rc.d start`,
+`deb-systemd-invoke start`); on a normal host they would listen on :9090 and :9093 and start at every
+boot. tests/support/ensure_system_packages.sh installs them so that nothing is started or enabled.
+
+Proved with a real package run through apt-get and dpkg: a probe package whose maintainer scripts are
+the very debhelper sections of the installed `prometheus` package (renamed), with an init script and a
+systemd unit that leave a mark when started. Installed plainly it enables and starts itself (so the
+probe is a fair one; it starts itself too where invoke-rc.d or systemd can start anything);
+installed by the script it does neither, and the machine is left as it was
+(policy-rc.d, rc links, systemd links). The probe is purged afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent / "support" / "ensure_system_packages.sh"
+POLICY = Path("/usr/sbin/policy-rc.d")
+DPKG_INFO = Path("/var/lib/dpkg/info")
+
+
+def as_root() -> list[str] | None:
+    """How to run a command as root here: directly, through sudo without a password, or not at all."""
+    if os.geteuid() == 0:
+        return []
+    if shutil.which("sudo") and subprocess.run(["sudo", "-n", "true"], capture_output=True,
+                                               check=False).returncode == 0:
+        return ["sudo", "-n"]
+    return None
+
+
+def debhelper_sections(script: str, package: str, name: str) -> str:
+    """The "Automatically added" sections of an installed package's maintainer script, renamed."""
+    text = (DPKG_INFO / f"{package}.{script}").read_text()
+    sections = re.findall(r"# Automatically added by dh_.*?# End automatically added section\n", text, re.S)
+    assert sections, f"no debhelper sections in {package}.{script}"
+    return "#!/bin/sh\nset -e\n" + "".join(s.replace(package, name) for s in sections) + "exit 0\n"
+
+
+def build_probe(tmp_path: Path, name: str, marker: Path) -> Path:
+    root = tmp_path / "pkg"
+    (root / "DEBIAN").mkdir(parents=True)
+    (root / "DEBIAN" / "control").write_text(
+        f"Package: {name}\nVersion: 1.0\nArchitecture: all\n"
+        "Maintainer: tracejudge tests <t@example.invalid>\n"
+        "Description: probe for tests/test_system_packages.py\n")
+    for script in ("postinst", "prerm", "postrm"):
+        path = root / "DEBIAN" / script
+        path.write_text(debhelper_sections(script, "prometheus", name))
+        path.chmod(0o755)
+    init = root / "etc" / "init.d" / name
+    init.parent.mkdir(parents=True)
+    init.write_text(
+        "#!/bin/sh\n### BEGIN INIT INFO\n"
+        f"# Provides:          {name}\n# Required-Start:    $remote_fs\n# Required-Stop:     $remote_fs\n"
+        "# Default-Start:     2 3 4 5\n# Default-Stop:      0 1 6\n# Short-Description: probe\n"
+        "### END INIT INFO\n"
+        f'case "$1" in start) echo init >> {marker} ;; esac\nexit 0\n')
+    init.chmod(0o755)
+    unit = root / "lib" / "systemd" / "system" / f"{name}.service"
+    unit.parent.mkdir(parents=True)
+    unit.write_text(f"[Unit]\nDescription=probe\n[Service]\nType=oneshot\n"
+                    f"ExecStart=/bin/sh -c 'echo unit >> {marker}'\n[Install]\nWantedBy=multi-user.target\n")
+    deb = tmp_path / f"{name}.deb"
+    subprocess.run(["dpkg-deb", "--root-owner-group", "--build", str(root), str(deb)], check=True,
+                   capture_output=True, timeout=60)
+    return deb
+
+
+def enabled(name: str) -> list[str]:
+    """Where the service is enabled: systemd wants-links, SysV start links."""
+    links = [str(p) for p in Path("/etc/systemd/system").glob(f"*.wants/{name}.service")]
+    links += [str(p) for p in Path("/etc").glob(f"rc[2-5].d/S*{name}")]
+    return sorted(links)
+
+
+def machine_state() -> tuple[bytes | None, list[str]]:
+    return (POLICY.read_bytes() if POLICY.exists() else None,
+            sorted(str(p) for p in Path("/etc/systemd/system").rglob("*")) + sorted(os.listdir("/etc/rc2.d")))
+
+
+def test_the_packages_are_installed_with_their_services_neither_started_nor_enabled(tmp_path):
+    root = as_root()
+    if root is None:
+        # Not root and no sudo: the install is out of reach and the script says so, installing nothing.
+        proc = subprocess.run(["sh", str(SCRIPT), "--install-quietly", "prometheus"], capture_output=True,
+                              text=True, timeout=60, check=False)
+        assert proc.returncode == 1 and "needs root" in proc.stderr, proc.stderr
+        return
+    name = f"tracejudge-probe-{os.getpid()}"
+    marker = tmp_path / "started"
+    deb = build_probe(tmp_path, name, marker)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+
+    def apt_get(*args: str) -> None:
+        proc = subprocess.run([*root, "apt-get", "-q", "-o", "DPkg::Lock::Timeout=300", *args], env=env,
+                              capture_output=True, text=True, timeout=600, check=False)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    saved = POLICY.read_bytes() if POLICY.exists() else None
+    before = machine_state()
+    try:
+        # Without a policy-rc.d (as on a normal host), installed plainly: enabled and started.
+        subprocess.run([*root, "rm", "-f", str(POLICY)], check=True)
+        apt_get("install", "-y", str(deb))
+        assert enabled(name), "the probe package did not enable itself: not a fair probe"
+        # It also starts itself where invoke-rc.d knows the runlevel or systemd runs (a normal host);
+        # a container without either starts nothing whoever installs it.
+        apt_get("purge", "-y", name)
+        assert not enabled(name)
+        marker.unlink(missing_ok=True)
+
+        # The same, through the script: neither started nor enabled, and its temporary policy is gone.
+        proc = subprocess.run([*root, "sh", str(SCRIPT), "--install-quietly", str(deb)], env=env,
+                              capture_output=True, text=True, timeout=600, check=False)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert subprocess.run(["dpkg-query", "-W", name], capture_output=True, check=False).returncode == 0
+        assert enabled(name) == []
+        assert not marker.exists(), marker.read_text()
+        assert not POLICY.exists()
+        apt_get("purge", "-y", name)
+
+        # With a policy-rc.d of the machine's own: used and left exactly as it was.
+        own = b"#!/bin/sh\n# the machine's own policy\nexit 101\n"
+        subprocess.run([*root, "sh", "-c", f"cat > {POLICY} && chmod 755 {POLICY}"], input=own, check=True)
+        proc = subprocess.run([*root, "sh", str(SCRIPT), "--install-quietly", str(deb)], env=env,
+                              capture_output=True, text=True, timeout=600, check=False)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert enabled(name) == [] and not marker.exists()
+        assert POLICY.read_bytes() == own
+    finally:
+        subprocess.run([*root, "apt-get", "-q", "-o", "DPkg::Lock::Timeout=300", "purge", "-y", name],
+                       env=env, capture_output=True, timeout=600, check=False)
+        if saved is None:
+            subprocess.run([*root, "rm", "-f", str(POLICY)], check=True)
+        else:
+            subprocess.run([*root, "sh", "-c", f"cat > {POLICY} && chmod 755 {POLICY}"], input=saved,
+                           check=True)
+    assert machine_state() == before
+
