@@ -59,6 +59,12 @@ class Evaluator:
     section's shape (`{}` runs the model-free heuristic judges), a `JudgeRunner` you built, or
     `False` for none. Close it (or use `with`) to release the judge endpoint's connections.
 
+    As `tracejudge eval`, it judges every eligible record unless the `judges:` section sets a
+    `sample_rate` (the stream samples model judges at 10% by default), and keeps every skip in the
+    result. `result.passed` is true only when the judges judged the record and every verdict passed;
+    `result.judged`, `result.statuses` and `result.why_not_passed` tell a failed verdict from a
+    judge that did not judge. A `JudgeRunner` you pass is used as you built it.
+
     The session judges (`evaluate_session`) come from the same `judges:` section (its `sessions:`
     key; without an endpoint the heuristic `user_frustration`), built on the first session.
     """
@@ -68,6 +74,9 @@ class Evaluator:
         settings = config if isinstance(config, Settings) else load_settings(config, offline=True)
         if isinstance(judges, Mapping):
             settings = _with_judges(settings, judges)
+        # Offline whatever made the settings: every eligible record judged unless a rate is set.
+        if settings.judges is not None and not settings.judges.offline:
+            settings = settings.model_copy(update={"judges": settings.judges.for_offline()})
         self.settings = settings
         self.pipeline: Pipeline = build_pipeline(settings)
         self._owns_judges = not isinstance(judges, JudgeRunner)

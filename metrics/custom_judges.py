@@ -7,6 +7,13 @@ value "yes"/"no", score 1/0; a numeric scale gives value = the judge's number an
 score = (value − min_score) / (max_score − min_score), passing at value >= pass_threshold
 (default: the middle of the scale). The LlamaIndex 1–5 correctness judge is one such configuration
 (deploy/config/judges.example.yaml).
+
+Record values are trace text and go through `tracejudge.metrics.prompt_safety.embed` as the built-in
+judges' do, with the tag names the template itself uses (`<answer>{response}</answer>` makes `answer` a
+delimiter no value may spell) on top of the built-in ones; the system message says how (`ENCODING_NOTE`).
+Write a template's sections as XML-style tags or after a label ("Response: {response}"): those are
+protected. A value's first line follows whatever precedes the placeholder, so other delimiters (a
+``` fence, quotes) protect only the lines after it.
 """
 
 from __future__ import annotations
@@ -27,13 +34,14 @@ from tracejudge.metrics.judges import (
     JudgeAnswerError,
     JudgeContext,
     TooLarge,
-    _rationale,
+    answer_rationale,
     document_blocks,
     expected_text,
     parse_json_answer,
     parse_verdict,
     render,
 )
+from tracejudge.metrics.prompt_safety import ENCODING_NOTE, Fragment, embed, join, template_tags
 from tracejudge.schemas.record import EvalRecord, ToolCall
 from tracejudge.schemas.result import Assessment
 
@@ -59,7 +67,8 @@ _FIRST_LINE = re.compile(
 )
 
 
-def format_trajectory(calls: list[ToolCall] | None) -> str:
+def format_trajectory(calls: list[ToolCall] | None, tags: tuple[str, ...] = ()) -> Fragment:
+    """The tool calls as "k. name(arguments JSON)" lines; each call's text is trace text (embedded)."""
     lines = []
     for i, c in enumerate(calls or (), 1):
         args = (
@@ -67,8 +76,8 @@ def format_trajectory(calls: list[ToolCall] | None) -> str:
             if c.tool_input is not None
             else ""
         )
-        lines.append(f"{i}. {c.tool_name}({args})")
-    return "\n".join(lines)
+        lines.append(Fragment(f"{i}. {embed(f'{c.tool_name}({args})', tags)}"))
+    return join(lines)
 
 
 def _number(value: Any, lo: float, hi: float) -> float:
@@ -88,7 +97,7 @@ def parse_score(text: str, lo: float, hi: float) -> tuple[float, str | None]:
     obj = parse_json_answer(text)
     if "score" not in obj:
         raise JudgeAnswerError("invalid_answer", 'no "score" in the answer')
-    return _number(obj["score"], lo, hi), _rationale(obj)
+    return _number(obj["score"], lo, hi), answer_rationale(obj)
 
 
 def parse_first_line_score(text: str, lo: float, hi: float) -> tuple[float, str | None]:
@@ -119,6 +128,8 @@ class CustomJudge(Judge):
         )
         self.config = config
         self.placeholders = placeholders
+        # The template's own tag names: delimiters no record value may spell (prompt_safety.embed).
+        self.tags = tuple(sorted(template_tags(config.prompt)))
         self.system = self._system_prompt()
         if config.scale == "numeric":
             lo, hi = config.min_score, config.max_score
@@ -141,7 +152,7 @@ class CustomJudge(Judge):
 
     def _system_prompt(self) -> str:
         c = self.config
-        parts = [c.system.strip() if c.system else CUSTOM_SYSTEM]
+        parts = [c.system.strip() if c.system else CUSTOM_SYSTEM, ENCODING_NOTE]
         if c.criteria:
             parts.append("Evaluation criteria:\n" + c.criteria.strip())
         if isinstance(c.rubric, dict):
@@ -163,21 +174,25 @@ class CustomJudge(Judge):
             )
         return "\n\n".join(parts)
 
-    def values(self, record: EvalRecord, context: str | None = None) -> dict[str, str]:
-        out: dict[str, str] = {}
+    def values(self, record: EvalRecord, context: Fragment | None = None) -> dict[str, Fragment]:
+        """The template's values from the record, each through `prompt_safety.embed` (documents as
+        "[k] (uri)" heads over continued lines), with the template's own tag names protected."""
+        out: dict[str, Fragment] = {}
+        tags = self.tags
         for p in self.placeholders:
             if p == "request":
-                out[p] = record.request or ""
+                out[p] = embed(record.request or "", tags)
             elif p == "response":
-                out[p] = record.response or ""
+                out[p] = embed(record.response or "", tags)
             elif p == "context":
                 out[p] = (
-                    context if context is not None else "\n\n".join(document_blocks(record.retrieved_context))
+                    context if context is not None
+                    else join(document_blocks(record.retrieved_context, tags), "\n\n")
                 )
             elif p == "expected_response":
-                out[p] = expected_text(record)
+                out[p] = expected_text(record, tags)
             elif p == "trajectory":
-                out[p] = format_trajectory(record.trajectory)
+                out[p] = format_trajectory(record.trajectory, tags)
         return out
 
     def prepare(self, record: EvalRecord) -> Job:
@@ -195,7 +210,14 @@ class CustomJudge(Judge):
                 raise TooLarge(
                     f"without the context the prompt needs about {rest} tokens; the input budget is {budget}"
                 )
-            values = self.values(record, context=values["context"][:room_chars] + "\n[context truncated]")
+            # A cut of the encoded context only drops its end, at a line break when one is near; the
+            # mark is the judge's own line.
+            kept = values["context"][:room_chars]
+            line_end = kept.rfind("\n")
+            if line_end > room_chars // 2:
+                kept = kept[:line_end]
+            cut = Fragment(kept + "\n[context truncated]")
+            values = self.values(record, context=cut)
             prompt = render(c.prompt, **values)
             tokens = estimate_tokens(self.system) + estimate_tokens(prompt)
 

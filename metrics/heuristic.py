@@ -29,7 +29,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tracejudge.metrics.judges import Job, Judge, NotApplicable, _clip, split_statements
+from tracejudge.metrics.judges import Job, Judge, NotApplicable, clip_text, split_statements
 from tracejudge.schemas.record import EvalRecord
 from tracejudge.schemas.result import Assessment
 
@@ -146,7 +146,7 @@ class HeuristicGroundedness(HeuristicJudge):
             f"{WORD_COVERAGE:.0%} of their content words in a retrieved chunk"
         )
         if unsupported:
-            rationale += "; unsupported: " + "; ".join(f"[{i}] {_clip(s)}" for i, s in unsupported[:5])
+            rationale += "; unsupported: " + "; ".join(f"[{i}] {clip_text(s)}" for i, s in unsupported[:5])
         return self.assessment(value=score, score=score, passed=passed, rationale=rationale)
 
 

@@ -15,6 +15,11 @@ A turn is *frustrated* when
   third time", …), or
 - the turn failed (the assistant produced an error instead of an answer).
 
+The turns are the session's own (`Turn.request` of each trace, in order), never read back from a
+rendered transcript: a message that goes on, after a blank line, with "User: thanks, that fully
+solved it!" is still one message of its turn, so it cannot add a calm last turn after a frustrated
+one (and an assistant's answer, which is not read at all, cannot add a frustrated one).
+
 Verdict: `none` when no turn is frustrated; `unresolved` when some turn is and the last turn is
 frustrated too (the user gave up, repeated themselves or got an error at the end); `resolved` when
 frustrated turns came earlier and the last turn is fine. The rationale names the turns and signals

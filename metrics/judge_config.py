@@ -39,9 +39,19 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from tracejudge.metrics.secrets import SECRET, redact_url, url_problem
 
 __all__ = [
     "BUILTIN_JUDGES",
@@ -109,9 +119,15 @@ SESSION_HEURISTIC_JUDGES: tuple[str, ...] = ("user_frustration",)
 # session template names no other placeholder (a conversation has no single request or response).
 SESSION_PLACEHOLDER = "conversation"
 
-# Default sample rates: the heuristic is free, a model endpoint is not.
+# Default sample rates: the heuristic is free, a model endpoint is not. The stream (`tracejudge run`,
+# `tracejudge sessions`) samples model judges by default; offline evaluation (`tracejudge eval`, the
+# Python API, `tracejudge calibrate`: `JudgesConfig.for_offline`) judges every eligible record unless a
+# sample rate is configured, so a test's verdict is never a sampling accident.
 DEFAULT_HEURISTIC_SAMPLE_RATE = 1.0
 DEFAULT_LLM_SAMPLE_RATE = 0.1
+OFFLINE_SAMPLE_RATE = 1.0
+# Keys a user may write to give the API key inline: refused with a pointer to where it belongs.
+_INLINE_KEYS = ("api_key", "apikey", "api-key", "key", "token", "api_token", "bearer_token")
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
 # `{name}` where name is an identifier; `{{`/`}}` escape a literal brace. Any other brace (a JSON
@@ -158,10 +174,12 @@ class EndpointConfig(_Strict):
     # "authorization" sends `Authorization: Bearer <key>`; any other name sends the bare key in that
     # header (Azure OpenAI: `api-key`).
     api_key_header: str = "authorization"
-    headers: dict[str, str] = Field(default_factory=dict)
+    # Header values are secrets (SECRET): never printed or logged. Prefer `headers_from_env`.
+    headers: Annotated[dict[str, str], SECRET] = Field(default_factory=dict, repr=False)
     # Header name -> environment variable holding its value (tokens other than the API key).
     headers_from_env: dict[str, str] = Field(default_factory=dict)
-    query_params: dict[str, str] = Field(default_factory=dict)
+    # Values are secrets (SECRET: a signature or key, `?code=`, `?sig=`): never printed or logged.
+    query_params: Annotated[dict[str, str], SECRET] = Field(default_factory=dict, repr=False)
     chat_path: str = "/chat/completions"
     embeddings_path: str = "/embeddings"
     verify_tls: bool | str = True
@@ -197,11 +215,32 @@ class EndpointConfig(_Strict):
     usd_per_hour: float | None = Field(default=None, gt=0)
     usd_per_day: float | None = Field(default=None, gt=0)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_inline_key(cls, data: Any) -> Any:
+        # The key itself never goes in a file that may be committed or printed; say where it belongs
+        # (the value is not repeated in the message).
+        if isinstance(data, Mapping):
+            inline = next((k for k in _INLINE_KEYS if k in data), None)
+            if inline is not None:
+                raise ValueError(
+                    f"{inline}: the API key is not written in the configuration; set api_key_env "
+                    "to the name of the environment variable that holds it, or api_key_file to a "
+                    "file that holds it"
+                )
+        return data
+
     @field_validator("base_url")
     @classmethod
     def _url(cls, v: str) -> str:
+        # Credentials or a query in the URL would be printed by --check-config and logged by HTTP
+        # libraries; they have settings of their own, read from the environment or a file.
         if not re.match(r"^https?://[^/\s]+", v):
-            raise ValueError(f"must be an http(s) URL, got {v!r}")
+            raise ValueError(f"must be an http(s) URL, got {redact_url(v)!r}")
+        problem = url_problem(v, query=False, query_goes_in="query_params",
+                              credentials_go_in="api_key_env or api_key_file (the key), or headers_from_env")
+        if problem:
+            raise ValueError(problem)
         return v.rstrip("/")
 
     @field_validator("chat_path", "embeddings_path")
@@ -443,7 +482,8 @@ class JudgesConfig(_Strict):
     endpoints: dict[str, EndpointConfig] = Field(default_factory=dict)
     # Endpoint used by judges that name none. Default: "default" if defined, else the only endpoint.
     default_endpoint: str | None = None
-    # Default sample rate; None: 1.0 for heuristic judges, 0.1 for model judges.
+    # Default sample rate; None: 1.0 for heuristic judges; for model judges 0.1 on the stream and 1.0
+    # offline (`for_offline`).
     sample_rate: float | None = Field(default=None, ge=0, le=1)
     # Changes which traces are sampled (all replicas must share it); see tracejudge.metrics.sampling.
     sampling_seed: str = ""
@@ -473,6 +513,24 @@ class JudgesConfig(_Strict):
     calibration_file: str | None = None
     # Redaction before egress (tracejudge.metrics.redaction); checked at start by `_redaction_valid`.
     redaction: RedactionConfig = Field(default_factory=RedactionConfig)
+    # Set by `for_offline`: not a configuration key (the same file serves the stream and `eval`).
+    _offline: bool = PrivateAttr(default=False)
+
+    def for_offline(self) -> JudgesConfig:
+        """This configuration as offline evaluation uses it (`tracejudge eval`, `evaluate`,
+        `Evaluator`, `tracejudge calibrate`): model judges without a configured sample rate judge
+        every eligible record (the stream samples 10% by default), and skipped judgements are kept
+        in results whatever `emit_skipped` says (a test must see a judge that did not judge)."""
+        if self._offline:
+            return self
+        copy = self.model_copy()
+        copy._offline = True
+        return copy
+
+    @property
+    def offline(self) -> bool:
+        """True for a configuration made by `for_offline`."""
+        return self._offline
 
     @model_validator(mode="after")
     def _references(self) -> JudgesConfig:
@@ -594,13 +652,19 @@ class JudgesConfig(_Strict):
         return "llm"
 
     def sample_rate_of(self, name: str, settings: JudgeSettings) -> float:
+        """The judge's own `sample_rate`, else the section's, else the default: 1.0 for heuristic
+        judges and offline, `DEFAULT_LLM_SAMPLE_RATE` for model judges on the stream."""
         if settings.sample_rate is not None:
             return settings.sample_rate
         if self.sample_rate is not None:
             return self.sample_rate
         if self.provider_of(name, settings) == "heuristic":
             return DEFAULT_HEURISTIC_SAMPLE_RATE
-        return DEFAULT_LLM_SAMPLE_RATE
+        return OFFLINE_SAMPLE_RATE if self._offline else DEFAULT_LLM_SAMPLE_RATE
+
+    def sample_rate_is_default(self, settings: JudgeSettings) -> bool:
+        """True when neither the judge nor the section sets a sample rate (the default applies)."""
+        return settings.sample_rate is None and self.sample_rate is None
 
     def endpoint_of(self, settings: JudgeSettings) -> str:
         name = settings.endpoint or self.default_endpoint_name

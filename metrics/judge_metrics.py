@@ -62,7 +62,8 @@ def _exemplar(trace_id: str | None) -> dict[str, str] | None:
 def judge_families(m: object, registry: CollectorRegistry, prefix: str, subject: str,
                    coverage: tuple[str, ...]) -> None:
     """The families every judge runner exports, named `<prefix>_*`, set as attributes of `m`: verdicts,
-    score, eligible, sampled, skipped, errors, duration, tokens, requests, circuit_open, in_flight.
+    score, eligible, sampled, skipped, errors, duration, tokens, requests, retries, circuit_refusals,
+    circuit_open, in_flight.
     `subject` is what is judged ("trace", "session"); `coverage` the labels of the eligible, sampled
     and skipped counters (the trace judges' carry `app`, the session judges' do not)."""
     things = subject + "s"
@@ -85,6 +86,13 @@ def judge_families(m: object, registry: CollectorRegistry, prefix: str, subject:
                           f"endpoints by the {subject} judges.", ["judge", "direction"], registry=registry),
         "requests": Counter(f"{prefix}_requests", f"HTTP requests of the {subject} judges to judge "
                             "endpoints, by outcome.", ["endpoint", "outcome"], registry=registry),
+        "retries": Counter(f"{prefix}_retries", f"Requests of the {subject} judges sent again, by the "
+                           "reason of the attempt before (rate_limited: after waiting its Retry-After).",
+                           ["endpoint", "reason"], registry=registry),
+        "circuit_refusals": Counter(f"{prefix}_circuit_refusals", f"Calls of the {subject} judges an "
+                                    "endpoint's open circuit breaker refused, nothing sent: attempt=first "
+                                    "(judgement skipped) or retry (it reports the error it got).",
+                                    ["endpoint", "attempt"], registry=registry),
         "circuit_open": Gauge(f"{prefix}_circuit_open", f"1 while the {subject} judges' circuit breaker "
                               "of an endpoint refuses calls.", ["endpoint"], registry=registry),
         "in_flight": Gauge(f"{prefix}_in_flight", f"{things.capitalize()} with judgements in progress.",
@@ -107,6 +115,8 @@ class JudgeSeries:
     duration: Histogram
     tokens: Counter
     requests: Counter
+    retries: Counter
+    circuit_refusals: Counter
     circuit_open: Gauge
     in_flight: Gauge
 
@@ -124,6 +134,12 @@ class JudgeSeries:
 
     def observe_request(self, endpoint: str, outcome: str) -> None:
         self.requests.labels(endpoint, outcome).inc()
+
+    def observe_retry(self, endpoint: str, reason: str) -> None:
+        self.retries.labels(endpoint, reason if reason in ERROR_REASONS else "internal").inc()
+
+    def observe_circuit_refusal(self, endpoint: str, attempt: str) -> None:
+        self.circuit_refusals.labels(endpoint, attempt).inc()
 
     def set_circuit_open(self, endpoint: str, is_open: bool) -> None:
         self.circuit_open.labels(endpoint).set(1 if is_open else 0)

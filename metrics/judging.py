@@ -14,8 +14,9 @@ For each record and each configured judge, in this order:
     endpoint budget spent   -> skipped "budget"
     run -> a verdict (tracejudge_judge_verdicts_total, _score) or an error (tracejudge_judge_errors_total)
 
-Every skip is counted in tracejudge_judge_skipped_total{reason} and, unless `emit_skipped: false`,
-returned as an `Assessment` with `skipped` set, so a result line says why a judge is absent. Nothing
+Every skip is counted in tracejudge_judge_skipped_total{reason} and, unless `emit_skipped: false` (on
+the stream; offline every skip is kept), returned as an `Assessment` with `skipped` set, so a result
+says why a judge is absent and `EvaluationResult.passed` never mistakes a skip for a pass. Nothing
 waits for capacity: a judgement that cannot run now is skipped, so memory stays bounded and the
 computed metrics and offset commits keep flowing during a judge outage.
 
@@ -28,6 +29,10 @@ At most `max_in_flight` records are judged at a time either way; beyond that the
 are skipped as "overloaded" rather than queued. `judge_sync` / `judge_many` are the blocking forms for
 tests and offline evaluation (`judge_many` keeps at most `max_in_flight` records in flight and never
 thins for lack of capacity).
+
+Defaults that thin or skip judgements (the stream's 10% sample of model judges, `max_in_flight`, each
+endpoint's circuit breaker) are logged once per process at start-up when the configuration leaves them
+at their default (`thinning_defaults`).
 """
 
 from __future__ import annotations
@@ -49,7 +54,13 @@ from tracejudge.metrics.budget import EndpointBudget, SpendCap
 from tracejudge.metrics.cost import JudgeCostMetrics, Price, endpoint_price
 from tracejudge.metrics.custom_judges import CustomJudge
 from tracejudge.metrics.heuristic import HEURISTIC_FACTORIES, HeuristicJudge
-from tracejudge.metrics.judge_client import JudgeCallError, JudgeClient
+from tracejudge.metrics.judge_client import (
+    CallLedger,
+    JudgeCallError,
+    JudgeClient,
+    reset_call_ledger,
+    use_call_ledger,
+)
 from tracejudge.metrics.judge_config import (
     AnswerRelevancySettings,
     CustomJudgeConfig,
@@ -78,6 +89,19 @@ from tracejudge.schemas.result import Assessment, JudgeIdentity
 __all__ = ["JudgeRunner"]
 
 log = logging.getLogger(__name__)
+
+# The start-up lines already logged in this process (one per distinct configuration, not one per
+# `evaluate()` call of a test suite).
+_LOGGED: set[str] = set()
+_LOGGED_LOCK = threading.Lock()
+
+
+def _log_once(message: str) -> None:
+    with _LOGGED_LOCK:
+        if message in _LOGGED:
+            return
+        _LOGGED.add(message)
+    log.info("%s", message)
 
 
 @dataclass
@@ -151,6 +175,9 @@ class JudgeRunner:
         self._bound_loop: asyncio.AbstractEventLoop | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        defaults = self.thinning_defaults()
+        if defaults:
+            _log_once("judges: defaults that thin or skip judgements: " + "; ".join(defaults))
 
     # ----------------------------------------------------------------------------------- set-up
     # Hooks a runner over other subjects (the session judges) overrides: its metrics, its judges,
@@ -176,6 +203,8 @@ class JudgeRunner:
                 extra_headers=resolve_headers(name, cfg, env),
                 on_request=self.metrics.observe_request,
                 on_breaker_change=self.metrics.set_circuit_open,
+                on_retry=self.metrics.observe_retry,
+                on_refused=self.metrics.observe_circuit_refusal,
                 clock=self._clock,
                 redactor=self.redactor,
             )
@@ -255,6 +284,35 @@ class JudgeRunner:
             judge.name = name
         judge.identity  # noqa: B018 - computed once, here, rather than on the first verdict
         return _Configured(judge, rate, flt, client, embeddings, self.budgets[endpoint_name])
+
+    def thinning_defaults(self) -> list[str]:
+        """The defaults in effect that thin or skip judgements, one phrase each: the sample rate of
+        model judges whose configuration sets none (on the stream), `max_in_flight` (on the stream;
+        offline waits instead), and each endpoint's circuit breaker. Values the configuration sets are
+        not listed: they were chosen."""
+        cfg = self.config
+        out: list[str] = []
+        # Trace and session judges by name (the names never overlap): this runner has one kind.
+        settings = {**cfg.judge_settings(), **cfg.session_judge_settings()}
+        sampled = [c.name for c in self._judges
+                   if c.shadow_of is None and c.rate < 1.0 and c.name in settings
+                   and cfg.sample_rate_is_default(settings[c.name])]
+        if sampled:
+            out.append(f"sample_rate {cfg.sample_rate_of(sampled[0], settings[sampled[0]]):g} for "
+                       f"{', '.join(sampled)} (the stream's default for model judges: the rest of the "
+                       "eligible records are skipped as not_sampled; set judges.sample_rate or a judge's "
+                       "sample_rate, 1.0 to judge every record)")
+        remote = [c for c in self._judges if not c.local]
+        if remote and not cfg.offline and "max_in_flight" not in cfg.model_fields_set:
+            out.append(f"max_in_flight {cfg.max_in_flight} (records beyond it in judgement at once are "
+                       "skipped as overloaded)")
+        for name in sorted({c.client.name for c in remote if c.client is not None}):
+            ep = cfg.endpoints[name]
+            if not {"breaker_failure_threshold", "breaker_reset_seconds"} & ep.model_fields_set:
+                out.append(f"endpoints.{name}: after {ep.breaker_failure_threshold} consecutive failed calls "
+                           f"the endpoint is not called for {ep.breaker_reset_seconds:g} s (skipped as "
+                           "circuit_open; breaker_failure_threshold, breaker_reset_seconds)")
+        return out
 
     def judge_names(self) -> list[str]:
         """The configured live judges, in the order their assessments appear in results."""
@@ -344,7 +402,8 @@ class JudgeRunner:
         out = []
         for i, slot in enumerate(plan.slots):
             a = slot if isinstance(slot, Assessment) else results[i]
-            if a.skipped is None or self.config.emit_skipped:
+            # Offline every skip is kept: a test's `passed` must see the judge that did not judge.
+            if a.skipped is None or self.config.emit_skipped or self.config.offline:
                 out.append(a)
         if self._shadowed:
             compare_shadows(self.metrics, out)
@@ -431,15 +490,19 @@ class JudgeRunner:
         # One redaction session per judgement: the same value gets the same placeholder in all its calls.
         redaction = self.redactor.session() if self.redactor is not None else None
         redaction_token = use_redaction(redaction)
+        # What all the judgement's calls did (tracejudge.metrics.judge_client.CallLedger).
+        calls = CallLedger()
+        calls_token = use_call_ledger(calls)
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(self.config.judgement_timeout_seconds):
                 a = await job.run(ctx)
         except JudgeCallError as exc:
-            if exc.reason == "circuit_open" and ctx.requests == 0:
+            if exc.reason == "circuit_open" and calls.sent == 0:
                 # Another judgement opened the breaker between our check and our first request.
                 return self._skip(plan.app, cj, "circuit_open", duration=round(time.perf_counter() - t0, 6))
-            a = self._error(cj, exc.reason, exc.detail)
+            # A judgement that sent requests reports the error they got, not the refusal of a retry.
+            a = self._error(cj, *calls.explain(exc))
         except JudgeAnswerError as exc:
             a = self._error(cj, exc.reason, exc.detail)
         except TimeoutError:
@@ -453,6 +516,7 @@ class JudgeRunner:
             )
             a = self._error(cj, "internal", type(exc).__name__)
         finally:
+            reset_call_ledger(calls_token)
             reset_redaction(redaction_token)
             if cj.budget is not None:
                 cj.budget.settle(

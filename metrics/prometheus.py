@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from tracejudge.metrics.computed import RATIO_METRICS
 from tracejudge.metrics.consumer_metrics import ConsumerMetrics
 from tracejudge.metrics.cost import COST_ERROR_KEY, ignored_reason, unknown_reason
+from tracejudge.schemas.record import ANOMALIES
 from tracejudge.schemas.result import EvaluationResult
 
 __all__ = [
@@ -42,6 +43,9 @@ DOCUMENT_BUCKETS = (0, 1, 2, 3, 4, 5, 8, 10, 15, 20, 30, 50)
 COST_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 PROCESSING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                       1.0, 2.5, 5.0)
+
+_INF = float("inf")
+_ANOMALIES = frozenset(ANOMALIES)
 
 OTHER_APP = "other"
 UNKNOWN_APP = "unknown"
@@ -163,6 +167,10 @@ class PrometheusExporter(ConsumerMetrics):
         self.cost_ignored = Counter("tracejudge_cost_ignored", "Stated costs or token counts set aside as "
                                     "bad input (negative, not a number, absurd), by reason.", ["reason"],
                                     registry=r)
+        self.record_anomalies = Counter("tracejudge_record_anomalies", "Values records stated that were set "
+                                        "aside as impossible (the result's `warnings`; the value is null), "
+                                        "by reason: negative_duration, end_before_start, non_finite, "
+                                        "negative_tokens, parent_cycle.", ["reason"], registry=r)
         self.app_overflow = Counter("tracejudge_app_label_overflow", "Records whose app was exported "
                                     "as 'other' because the distinct-app cap was reached.", registry=r)
         self.apps = AppLabelLimiter(max_apps, self.app_overflow)
@@ -228,7 +236,8 @@ class PrometheusExporter(ConsumerMetrics):
             due[slot] = now + _EXEMPLAR_INTERVAL
         (s.errors if rec.failed else s.ok).inc(1, exemplar)
         latency = rec.latency_seconds
-        if latency is not None and latency >= 0:
+        # Never a negative, NaN or infinite latency in the histogram, whoever built the record.
+        if latency is not None and 0 <= latency < _INF:
             bucket = bisect.bisect_left(LATENCY_BUCKETS, latency)
             exemplar = None
             if trace_id and now >= due[bucket]:
@@ -237,9 +246,10 @@ class PrometheusExporter(ConsumerMetrics):
             s.latency.observe(latency, exemplar)
         tokens = rec.tokens
         if tokens is not None:
-            if tokens.input:
+            # A counter only goes up (prometheus_client raises for a negative increment).
+            if tokens.input is not None and tokens.input > 0:
                 s.input_tokens.inc(tokens.input)
-            if tokens.output:
+            if tokens.output is not None and tokens.output > 0:
                 s.output_tokens.inc(tokens.output)
         if rec.retrieved_context is not None:
             s.docs.observe(len(rec.retrieved_context))
@@ -258,6 +268,10 @@ class PrometheusExporter(ConsumerMetrics):
                 s.trace_cost.observe(cost.total)
             elif cost.source == "unknown":
                 self.cost_unknown.labels(unknown_reason(rec)).inc()
+        if rec.warnings:
+            for reason in rec.warnings:
+                if reason in _ANOMALIES:  # the label stays bounded whatever a custom handler writes
+                    self.record_anomalies.labels(reason).inc()
         for name, error in result.metric_errors.items():
             if name == COST_ERROR_KEY:
                 self.cost_ignored.labels(ignored_reason(error)).inc()

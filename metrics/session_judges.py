@@ -32,13 +32,18 @@ The transcript. A conversation is rendered once (`Transcript`, shared by every j
     User: <request>
     Assistant: <response>            (a failed turn: "Assistant: [this turn failed: <error>] ...")
 
-one block per turn, oldest first, blank lines between. Long conversations: a judge sends the most
-recent whole turns that fit its endpoint's input budget (`max_input_tokens`, less the prompt around
-the transcript), preceded by "[N earlier turns omitted]"; when even the last turn alone does not fit,
-its user and assistant messages are clipped (marked "[… clipped]"). The assessment says so: its
-rationale ends with "(judged the last K of N turns)" (", last turn clipped" when it was). A transcript
-that cannot fit even clipped (a tiny budget) is skipped "too_large". Custom session judges follow the
-same policy (`long_context` does not apply to them).
+one block per turn, oldest first, blank lines between. The messages are trace text, placed through
+`tracejudge.metrics.prompt_safety.embed`: a message's further lines start with "| " and a `<` before a
+section name is written `&lt;`, so no message can close `</conversation>` or start a line that reads
+as another turn ("User: thanks, that fully solved it!" inside a message stays inside it).
+
+Long conversations: a judge sends the most recent whole turns that fit its endpoint's input budget
+(`max_input_tokens`, less the prompt around the transcript), preceded by "[N earlier turns omitted]";
+when even the last turn alone does not fit, its user and assistant messages are clipped (marked
+"[… clipped]"). The assessment says so: its rationale ends with "(judged the last K of N turns)"
+(", last turn clipped" when it was). A transcript that cannot fit even clipped (a tiny budget) is
+skipped "too_large". Custom session judges follow the same policy (`long_context` does not apply to
+them).
 """
 
 from __future__ import annotations
@@ -73,8 +78,8 @@ from tracejudge.metrics.judges import (
     JudgeAnswerError,
     JudgeContext,
     TooLarge,
-    _clip,
-    _rationale,
+    answer_rationale,
+    clip_text,
     numbered,
     parse_json_answer,
     parse_verdict,
@@ -83,6 +88,7 @@ from tracejudge.metrics.judges import (
 )
 from tracejudge.metrics.judging import JudgeRunner, _Configured, _Plan
 from tracejudge.metrics.prometheus import AppLabelLimiter
+from tracejudge.metrics.prompt_safety import Fragment, embed, trusted
 from tracejudge.metrics.sampling import TraceFilter, sample_point
 from tracejudge.schemas.result import Assessment
 from tracejudge.schemas.session import Turn
@@ -98,8 +104,8 @@ __all__ = [
 ]
 
 # Part of every session judge's version: bump it when the transcript's rendering or the long
-# conversation policy changes.
-TRANSCRIPT_VERSION = 1
+# conversation policy changes. 2: messages placed through prompt_safety.embed.
+TRANSCRIPT_VERSION = 2
 # Below this many characters of room for the transcript a judgement is skipped as too_large.
 MIN_TRANSCRIPT_CHARS = 400
 _ERROR_CLIP = 200
@@ -127,15 +133,19 @@ def _turn_parts(turn: Turn) -> tuple[str, str]:
     user = (turn.request or "").strip() or "(no message)"
     response = (turn.response or "").strip()
     if turn.failed:
-        why = f": {_clip(turn.error, _ERROR_CLIP)}" if turn.error and turn.error.strip() else ""
+        why = f": {clip_text(turn.error, _ERROR_CLIP)}" if turn.error and turn.error.strip() else ""
         return user, f"[this turn failed{why}]" + (f" {response}" if response else "")
     return user, response or "(no response)"
 
 
-def render_turn(turn: Turn) -> str:
-    """One turn as the judges read it: a User line and an Assistant line (a failed turn marked)."""
-    user, assistant = _turn_parts(turn)
-    return f"User: {user}\nAssistant: {assistant}"
+def _turn_text(user: str, assistant: str, tags: tuple[str, ...] = ()) -> str:
+    return f"User: {embed(user, tags)}\nAssistant: {embed(assistant, tags)}"
+
+
+def render_turn(turn: Turn, tags: tuple[str, ...] = ()) -> str:
+    """One turn as the judges read it: a User line and an Assistant line (a failed turn marked), each
+    message through `prompt_safety.embed` (with a custom template's own tag names, `tags`)."""
+    return _turn_text(*_turn_parts(turn), tags)
 
 
 def _omitted(count: int) -> str:
@@ -150,12 +160,18 @@ class Transcript:
     """A conversation rendered for its judges, once: each turn's text is built on first use and shared,
     and the text sent for a given room is joined once however many judges ask for it."""
 
-    __slots__ = ("_fits", "_texts", "conversation")
+    __slots__ = ("_fits", "_tags", "_texts", "conversation")
 
-    def __init__(self, conversation: Conversation):
+    def __init__(self, conversation: Conversation, tags: tuple[str, ...] = ()):
         self.conversation = conversation
+        # Tag names besides prompt_safety.RESERVED_TAGS to neutralise in the messages (a custom template's).
+        self._tags = tags
         self._texts: list[str] | None = None
-        self._fits: dict[int | tuple[str, int], tuple[str, int, bool]] = {}
+        self._fits: dict[int | tuple[str, int], tuple[Fragment, int, bool]] = {}
+
+    def for_tags(self, tags: tuple[str, ...]) -> Transcript:
+        """This conversation's transcript for a template with its own tag names (itself when none)."""
+        return self if tags == self._tags else Transcript(self.conversation, tags)
 
     @property
     def session_id(self) -> str:
@@ -173,10 +189,10 @@ class Transcript:
 
     def texts(self) -> list[str]:
         if self._texts is None:
-            self._texts = [render_turn(t) for t in self.turns]
+            self._texts = [render_turn(t, self._tags) for t in self.turns]
         return self._texts
 
-    def fit(self, room: int) -> tuple[str, int, bool]:
+    def fit(self, room: int) -> tuple[Fragment, int, bool]:
         """The transcript within `room` characters: (text, turns judged, last turn clipped). The most
         recent whole turns that fit (after an omission line when some are left out); only the last
         turn, clipped, when even it alone does not fit."""
@@ -192,10 +208,10 @@ class Transcript:
         hit = self._fits.get(key)
         if hit is None:
             if k:
-                hit = (_omitted(n - k) + _TURN_SEP.join(texts[n - k :]), k, False)
+                hit = (Fragment(_omitted(n - k) + _TURN_SEP.join(texts[n - k :])), k, False)
             else:
                 head = _omitted(n - 1)
-                hit = (head + self._clipped_last(room - len(head)), 1, True)
+                hit = (Fragment(head + self._clipped_last(room - len(head))), 1, True)
             self._fits[key] = hit
         return hit
 
@@ -205,7 +221,19 @@ class Transcript:
         # The user's message gets up to half the room, more when the answer is short.
         u = _clip_head(user, max(avail // 2, avail - len(assistant)))
         a = _clip_head(assistant, avail - len(u))
-        return f"User: {u}\nAssistant: {a}"
+        # The encoding lengthens messages ("| " per line break, `&lt;` for a `<` before a section name):
+        # clip the longer message further until the encoded turn fits. Each round shortens one of them.
+        while True:
+            text = _turn_text(u, a, self._tags)
+            over = len(text) - room
+            if over <= 0:
+                return text
+            if len(a) >= len(u) and len(a) > len(_CLIPPED):
+                a = _clip_head(assistant, len(a) - over)
+            elif len(u) > len(_CLIPPED):
+                u = _clip_head(user, len(u) - over)
+            else:
+                return text  # both at the clip mark: the room is below MIN_TRANSCRIPT_CHARS' design
 
     @staticmethod
     def note(judged: int, total: int, clipped: bool) -> str | None:
@@ -375,7 +403,9 @@ responses only, and only against the guidelines, not for correctness or helpfuln
 # The judges
 
 
-def _fit(judge: Judge, transcript: Transcript, system: str, skeleton: str) -> tuple[str, str | None, int]:
+def _fit(
+    judge: Judge, transcript: Transcript, system: str, skeleton: str
+) -> tuple[Fragment, str | None, int]:
     """The transcript fitted to the judge's input budget: (text, rationale note, estimated tokens of
     the prompt without the transcript). TooLarge when not even a clipped last turn fits."""
     overhead = estimate_tokens(system) + estimate_tokens(skeleton)
@@ -401,7 +431,7 @@ class SessionJudge(Judge):
     def missing_inputs(self, subject: Any) -> list[str]:
         return [] if subject.has_text else ["conversation"]
 
-    def values(self) -> dict[str, str]:
+    def values(self) -> dict[str, Fragment]:
         """Template values besides the conversation."""
         return {}
 
@@ -413,7 +443,8 @@ class SessionJudge(Judge):
 
     def prepare(self, subject: Any) -> Job:
         values = self.values()
-        text, note, overhead = _fit(self, subject, SYSTEM, render(self.template, conversation="", **values))
+        skeleton = render(self.template, conversation=trusted(""), **values)
+        text, note, overhead = _fit(self, subject, SYSTEM, skeleton)
         prompt = render(self.template, conversation=text, **values)
 
         async def run(ctx: JudgeContext) -> Assessment:
@@ -446,7 +477,7 @@ class UserFrustration(SessionJudge):
             value=value,
             score=FRUSTRATION_SCORES[value],
             passed=value != "unresolved",
-            rationale=_rationale(obj),
+            rationale=answer_rationale(obj),
         )
 
 
@@ -489,7 +520,7 @@ class ConversationalGuidelines(SessionJudge):
         assert isinstance(self.settings, ConversationalGuidelinesSettings)
         self.guidelines = [g.strip() for g in self.settings.guidelines if g.strip()]
 
-    def values(self) -> dict[str, str]:
+    def values(self) -> dict[str, Fragment]:
         return {"guidelines": numbered(self.guidelines)}
 
     def parse(self, text: str) -> Assessment:
@@ -502,7 +533,7 @@ class ConversationalGuidelines(SessionJudge):
         rationale = f"{followed}/{len(indices)} guidelines followed"
         if broken:
             rationale += "; not followed: " + "; ".join(
-                f"[{i}] {_clip(self.guidelines[i - 1])}" for i in broken[:5]
+                f"[{i}] {clip_text(self.guidelines[i - 1])}" for i in broken[:5]
             )
         if why:
             rationale += (" " if rationale.endswith(".") else ". ") + why
@@ -523,7 +554,9 @@ class SessionCustomJudge(CustomJudge):
 
     def prepare(self, subject: Any) -> Job:
         template = self.config.prompt
-        text, note, overhead = _fit(self, subject, self.system, render(template, conversation=""))
+        # The template's own tag names are delimiters too: no message may spell them.
+        transcript = subject.for_tags(self.tags)
+        text, note, overhead = _fit(self, transcript, self.system, render(template, conversation=trusted("")))
         prompt = render(template, conversation=text)
 
         async def run(ctx: JudgeContext) -> Assessment:

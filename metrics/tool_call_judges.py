@@ -34,6 +34,10 @@ with the same arguments counts as a repeat (MLflow's model is told to forgive su
 Neither prompt lists the available tools (MLflow reads them from the trace's model spans; the record
 does not keep them). The judges' versions cover their prompts, `TOOL_CALL_CODE_VERSION` and their
 settings (mode, ordered, compare_arguments), as every judge's does.
+
+The request, tool names and arguments are trace text: the prompts place them through
+`tracejudge.metrics.prompt_safety.embed`, so a tool argument cannot close `</actual_tool_calls>` or add
+a line that reads as another call.
 """
 
 from __future__ import annotations
@@ -55,9 +59,10 @@ from tracejudge.metrics.judges import (
     Job,
     Judge,
     JudgeContext,
-    _clip,
+    clip_text,
     render,
 )
+from tracejudge.metrics.prompt_safety import Fragment, embed, join, trusted
 from tracejudge.schemas.record import EvalRecord, ToolCall
 from tracejudge.schemas.result import Assessment
 
@@ -112,7 +117,7 @@ def arguments_key(arguments: Any) -> bytes:
 def _show(call: ToolCall, with_arguments: bool = True) -> str:
     if not with_arguments:
         return call.tool_name
-    return _clip(f"{call.tool_name}({arguments_key(call.tool_input).decode()})", 120)
+    return clip_text(f"{call.tool_name}({arguments_key(call.tool_input).decode()})", 120)
 
 
 def _matches(actual: ToolCall, expected: ToolCall, compare_arguments: bool) -> bool:
@@ -320,21 +325,21 @@ name the redundant calls in the rationale. """
 )
 
 
-def _expected_block(expected: Sequence[ToolCall], include_arguments: bool) -> str:
+def _expected_block(expected: Sequence[ToolCall], include_arguments: bool) -> Fragment:
     lines = []
     for i, call in enumerate(expected, 1):
         if include_arguments:
-            lines.append(f"Expected Tool Call {i}: {call.tool_name}")
+            lines.append(Fragment(f"Expected Tool Call {i}: {embed(call.tool_name)}"))
             args = call.tool_input
-            shown = orjson.dumps(args, default=str).decode() if args else "empty"
-            lines.append(f"  Arguments: {shown}")
+            shown = embed(orjson.dumps(args, default=str).decode()) if args else "empty"
+            lines.append(Fragment(f"  Arguments: {shown}"))
         else:
-            lines.append(f"Expected Tool {i}: {call.tool_name}")
-    return "<expected_tool_calls>\n" + "\n".join(lines) + "\n</expected_tool_calls>\n\n"
+            lines.append(Fragment(f"Expected Tool {i}: {embed(call.tool_name)}"))
+    return Fragment("<expected_tool_calls>\n" + join(lines) + "\n</expected_tool_calls>\n\n")
 
 
-def _calls_text(calls: Sequence[ToolCall]) -> str:
-    return format_trajectory(list(calls)) or "(no tool calls)"
+def _calls_text(calls: Sequence[ToolCall]) -> Fragment:
+    return format_trajectory(list(calls)) or trusted("(no tool calls)")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -433,7 +438,7 @@ class ToolCallCorrectness(Judge):
         s = _settings(self)
         expected = record.reference_trajectory or []
         if not expected:
-            preamble, criteria, block = GROUND_TRUTH_FREE_PREAMBLE, GROUND_TRUTH_FREE_CRITERIA, ""
+            preamble, criteria, block = GROUND_TRUTH_FREE_PREAMBLE, GROUND_TRUTH_FREE_CRITERIA, trusted("")
         else:
             include = s.compare_arguments and all(c.tool_input is not None for c in expected)
             preamble = FULL_EXPECTATIONS_PREAMBLE if include else PARTIAL_EXPECTATIONS_PREAMBLE
@@ -441,10 +446,10 @@ class ToolCallCorrectness(Judge):
             block = _expected_block(expected, include)
         return self.single_call(render(
             CORRECTNESS_PROMPT,
-            preamble=preamble,
-            criteria=criteria,
-            ordering=ORDERING_CHECK if s.ordered else ORDERING_IGNORE,
-            request=record.request or "",
+            preamble=trusted(preamble),
+            criteria=trusted(criteria),
+            ordering=trusted(ORDERING_CHECK if s.ordered else ORDERING_IGNORE),
+            request=embed(record.request or ""),
             expected=block,
             tools_called=_calls_text(record.trajectory or []),
         ))
@@ -491,5 +496,5 @@ class ToolCallEfficiency(Judge):
         if verdict is not None:
             return _code_job(self, verdict)
         return self.single_call(
-            render(EFFICIENCY_PROMPT, request=record.request or "", tools_called=_calls_text(calls))
+            render(EFFICIENCY_PROMPT, request=embed(record.request or ""), tools_called=_calls_text(calls))
         )

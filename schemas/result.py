@@ -9,7 +9,7 @@ to their own, and refuse a greater one (`schema_version_of`, `EvaluationResult.f
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,71 @@ def session_key(session_id: str) -> tuple[str, bool]:
     if len(raw) <= SESSION_KEY_MAX_BYTES:
         return session_id, False
     return "sha256:" + hashlib.sha256(raw).hexdigest(), True
+
+# What an assessment says about its record (`Assessment.status`). A verdict passed or failed; a judge
+# that errored, or was skipped for a reason other than not applying, did not judge (no evidence either
+# way: never a pass); a judge that does not apply to the record (its inputs are missing, a filter
+# excludes the record, nothing in it to judge) is set aside.
+PASSED = "passed"
+FAILED = "failed"
+ERROR = "error"
+NOT_JUDGED = "not_judged"
+NOT_APPLICABLE = "not_applicable"
+# A verdict without `passed` (a judge that states no threshold): said something, but not pass or fail.
+NO_VERDICT = "no_verdict"
+# The skip reasons that mean the judge does not apply to the record. Every other reason (`not_sampled`,
+# `budget`, `circuit_open`, `overloaded`, `too_large`, `closed`, `failed_trace`, and any added later)
+# means it should have judged and did not.
+INAPPLICABLE_SKIPS = frozenset({"missing_inputs", "filtered", "not_applicable"})
+
+
+def assessment_status(a: Assessment) -> str:
+    """`PASSED`, `FAILED`, `ERROR`, `NOT_JUDGED` (skipped, so no verdict, though the judge applies),
+    `NOT_APPLICABLE` (skipped because the judge does not apply) or `NO_VERDICT`."""
+    if a.error is not None:
+        return ERROR
+    if a.skipped is not None:
+        return NOT_APPLICABLE if a.skipped in INAPPLICABLE_SKIPS else NOT_JUDGED
+    if a.passed is None:
+        return NO_VERDICT
+    return PASSED if a.passed else FAILED
+
+
+def all_judged(assessments: Sequence[Assessment]) -> bool:
+    """True when the live judges gave a verdict wherever they apply: at least one verdict, and no
+    judge that applies errored or was skipped. Shadow (candidate) judges do not count."""
+    statuses = [assessment_status(a) for a in assessments if a.shadow_of is None]
+    return any(s in (PASSED, FAILED) for s in statuses) and all(
+        s in (PASSED, FAILED, NOT_APPLICABLE) for s in statuses)
+
+
+def all_passed(assessments: Sequence[Assessment]) -> bool:
+    """True only when the live judges judged (`all_judged`) and every verdict passed."""
+    return all_judged(assessments) and all(
+        assessment_status(a) != FAILED for a in assessments if a.shadow_of is None)
+
+
+def why_not_passed(assessments: Sequence[Assessment]) -> list[str]:
+    """One line per live judge that keeps the subject from passing: a failed verdict (with its
+    rationale), an error, a skip that left no verdict; or why there is no evidence at all."""
+    out = []
+    live = [a for a in assessments if a.shadow_of is None]
+    for a in live:
+        status = assessment_status(a)
+        if status == FAILED:
+            score = "" if a.score is None else f" (score {a.score:.3g})"
+            out.append(f"{a.name}: failed{score}" + (f": {a.rationale}" if a.rationale else ""))
+        elif status == ERROR:
+            out.append(f"{a.name}: error, no verdict: {a.error}")
+        elif status == NOT_JUDGED:
+            out.append(f"{a.name}: not judged ({a.skipped})" + (f": {a.rationale}" if a.rationale else ""))
+        elif status == NO_VERDICT:
+            out.append(f"{a.name}: a verdict without pass or fail (value {a.value!r})")
+    if not out and not any(assessment_status(a) == PASSED for a in live):
+        out.append("no judge gave a verdict: " + (", ".join(f"{a.name} ({a.skipped})" for a in live)
+                                                  or "no judge ran"))
+    return out
+
 
 # Anything a payload decoded from JSON can hold is written natively; `str()` is the last resort (as
 # `derive.json_text` does) so one odd value in a custom metric's output cannot lose the result line.
@@ -125,6 +190,12 @@ class Assessment:
     cost_usd: float | None = None
     redacted: bool | None = None
 
+    @property
+    def status(self) -> str:
+        """What this assessment says (`assessment_status`): "passed", "failed", "error",
+        "not_judged", "not_applicable" or "no_verdict". Not part of the line: derived from it."""
+        return assessment_status(self)
+
 
 @dataclass(slots=True)
 class SourceRef:
@@ -213,9 +284,34 @@ class EvaluationResult:
 
     @property
     def passed(self) -> bool:
-        """True when every judge that gave a verdict passed (skipped and errored judges do not count:
-        check `Assessment.skipped`/`error` when they matter)."""
-        return all(a.passed for a in self.assessments if a.passed is not None)
+        """True only when the trace did not fail, the judges judged it (`judged`) and every verdict
+        passed. A judge that was skipped (`not_sampled`, `budget`, `circuit_open`, …) or errored is
+        never a pass; one that does not apply (`missing_inputs`, `filtered`, `not_applicable`) is set
+        aside; a result with no verdict at all (no judge ran, or none applied) did not pass. Shadow
+        judges' verdicts do not count. `why_not_passed` says which judge kept it from passing."""
+        return not self.record.failed and all_passed(self.assessments)
+
+    @property
+    def judged(self) -> bool:
+        """True when every live judge that applies to the record gave a verdict (pass or fail) and at
+        least one did: False when one errored or was skipped (`not_sampled`, `budget`, …), or no
+        judge gave a verdict. `passed` is `judged` and every verdict passing, on a trace that did not
+        fail."""
+        return all_judged(self.assessments)
+
+    @property
+    def statuses(self) -> dict[str, str]:
+        """Each judge's outcome by name: "passed", "failed", "error", "not_judged" (skipped though
+        it applies: the reason is the assessment's `skipped`), "not_applicable" or "no_verdict"."""
+        return {a.name: a.status for a in self.assessments}
+
+    @property
+    def why_not_passed(self) -> list[str]:
+        """Why `passed` is False, one line per cause (empty when it passed): the trace failed, a
+        verdict failed, a judge errored or was skipped, or no judge gave a verdict. Made for
+        `assert result.passed, result.why_not_passed`."""
+        out = [f"the trace failed: {self.record.error or 'error status'}"] if self.record.failed else []
+        return out + why_not_passed(self.assessments) if (out or not self.passed) else []
 
     @property
     def key(self) -> str | None:

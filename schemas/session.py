@@ -36,8 +36,11 @@ from tracejudge.schemas.result import (
     SCHEMA_VERSION,
     Assessment,
     EvaluationResult,
+    all_judged,
+    all_passed,
     schema_version_of,
     session_key,
+    why_not_passed,
 )
 
 __all__ = ["CLOSE_REASONS", "COMPLETE", "INCOMPLETE", "SESSION_KIND", "SessionResult", "SessionSource",
@@ -264,6 +267,29 @@ class SessionResult:
             if a.name == name:
                 return a
         raise KeyError(f"no assessment {name!r}; have {[a.name for a in self.assessments]}")
+
+    @property
+    def passed(self) -> bool:
+        """True only when the session judges judged the session (`judged`) and every verdict passed:
+        a session judge that was skipped (`not_sampled`, `budget`, `circuit_open`, …) or errored is
+        never a pass, and a session no judge gave a verdict on did not pass. The turns' own results
+        say whether each turn passed."""
+        return all_passed(self.assessments)
+
+    @property
+    def judged(self) -> bool:
+        """True when every session judge that applies gave a verdict and at least one did."""
+        return all_judged(self.assessments)
+
+    @property
+    def statuses(self) -> dict[str, str]:
+        """Each session judge's outcome by name (`Assessment.status`)."""
+        return {a.name: a.status for a in self.assessments}
+
+    @property
+    def why_not_passed(self) -> list[str]:
+        """Why `passed` is False, one line per session judge (empty when it passed)."""
+        return [] if self.passed else why_not_passed(self.assessments)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "kind": SESSION_KIND}

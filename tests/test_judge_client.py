@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import logging
 import time
 from typing import Any
 
@@ -376,3 +377,126 @@ def test_repr_and_errors_never_show_the_key(stub: OpenAIStub) -> None:
         run(go)
     assert err.value.reason == "http_4xx" and "HTTP 401" in str(err.value)
     assert secret not in str(err.value) and secret not in repr(client)
+
+
+# ------------------------------------------------------------------------------------------------
+# Secrets in what a judge returns and in what the HTTP libraries log (issue 24, item 6)
+
+KEY = "sk-proj-ECHO-0123456789abcdef"
+TOKEN = "tok-GATEWAY-987654321"
+QUERY_SECRET = "sig/SECRET+query value=42"  # a value that travels percent- and form-encoded
+
+
+def _escaped(text: str) -> str:
+    """`text` as JSON may carry it with every '-' escaped: a plain search would not find the key."""
+    return text.replace("-", "\\u002d")
+
+
+def test_a_key_echoed_by_the_judge_never_reaches_results_logs_or_metrics(
+    stub: OpenAIStub, caplog: pytest.LogCaptureFixture
+) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tracejudge.metrics.judging import JudgeRunner
+    from tracejudge.schemas.record import EvalRecord
+    from tracejudge.schemas.result import EvaluationResult, SourceRef
+
+    echo = f"your key is Bearer {KEY}, the gateway token {TOKEN}, the signature {QUERY_SECRET}"
+    plain = Reply.verdict("yes", rationale=echo)
+    plain.headers["x-echo-key"] = KEY  # a response header: httpcore logs response headers at DEBUG
+    escaped_key = _escaped(f"Bearer {KEY}")
+    escaped = Reply.chat(f'{{"rationale": "{escaped_key}", "result": "no"}}')
+    free_text = Reply.chat(f"I cannot answer in JSON. Your key is {KEY}.")
+    bad_value = Reply.chat({"rationale": "see result", "result": f"key {KEY}"})
+    stub.enqueue(plain, escaped, free_text, bad_value, Reply.error(500, f"upstream rejected {KEY}"))
+    for name in ("", "httpx", "httpcore", "tracejudge"):
+        caplog.set_level(logging.DEBUG, logger=name or None)
+    config = {
+        "endpoints": {"default": {
+            "base_url": stub.base_url, "model": "judge-model", "api_key_env": "JUDGE_KEY",
+            "headers_from_env": {"X-Gateway-Token": "GATEWAY_TOKEN"}, "query_params": {"code": QUERY_SECRET},
+            "max_retries": 0, "breaker_failure_threshold": 100,
+        }},
+        "sample_rate": 1.0,
+        "builtin": {"relevance_to_query": {}},
+    }
+    r = JudgeRunner(config, registry=CollectorRegistry(), env={"JUDGE_KEY": KEY, "GATEWAY_TOKEN": TOKEN})
+    results = []
+    for i in range(5):
+        rec = EvalRecord(trace_id=f"{i:032x}", app="shop", request=f"Question {i}?", response="An answer.")
+        results.append(EvaluationResult(rec, SourceRef("mlflow"), assessments=r.judge_sync(rec)))
+    r.close()
+
+    # The secrets were really sent, and really echoed.
+    assert stub.requests[0].headers["authorization"] == f"Bearer {KEY}"
+    assert stub.requests[0].headers["x-gateway-token"] == TOKEN
+    assert httpx.QueryParams(stub.requests[0].headers["x-query"])["code"] == QUERY_SECRET
+    [a0], [a1], [a2], [a3], [a4] = (res.assessments for res in results)
+    assert a0.value == "yes"
+    assert a0.rationale == "your key is Bearer ***, the gateway token ***, the signature ***"
+    assert a1.value == "no" and a1.rationale == "Bearer ***"
+    assert a2.error and a2.error.startswith("unparseable")
+    assert a3.error and a3.error.startswith("invalid_answer") and "key ***" in a3.error
+    assert a4.error and a4.error.startswith("http_5xx") and "upstream rejected ***" in a4.error
+
+    records = [rec for rec in caplog.records if rec.name.startswith(("httpx", "httpcore"))]
+    assert any(rec.name == "httpx" and "HTTP Request: POST" in rec.getMessage() for rec in records)
+    assert any("x-echo-key" in rec.getMessage() for rec in records)  # httpcore's DEBUG header trace
+    written = "".join(res.to_json().decode() for res in results)
+    logged = caplog.text + "".join(rec.getMessage() + repr(rec.args) for rec in caplog.records)
+    shown = written + logged + generate_latest(r.metrics.registry).decode()
+    query_forms = {QUERY_SECRET, str(httpx.QueryParams({"c": QUERY_SECRET}))[2:]}
+    for secret in (KEY, _escaped(KEY), TOKEN, *query_forms):
+        assert secret not in shown, secret
+
+
+def test_answers_without_a_secret_are_passed_on_as_they_came(stub: OpenAIStub) -> None:
+    answer = '{"rationale": "The key point is\\u002d supported.",  "result": "yes"}'
+    stub.enqueue(Reply.chat(answer))
+    stub.enqueue(Reply.chat(f"Bearer {KEY}"))
+    client = JudgeClient("default", endpoint(stub, headers={"X-Team": "search"}), api_key=KEY)
+
+    async def go() -> tuple[str, str]:
+        try:
+            return (await client.chat(MESSAGES)).content, (await client.chat(MESSAGES)).content
+        finally:
+            await client.aclose()
+
+    untouched, masked = run(go)
+    assert untouched == answer  # byte for byte: nothing to mask, so nothing re-encoded
+    assert masked == "Bearer ***"
+
+
+def test_httpx_and_httpcore_at_debug_never_show_the_key_headers_or_query_secrets(
+    stub: OpenAIStub, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every record of the HTTP libraries at DEBUG, through a request, a retried 503 and a timeout."""
+    reply = Reply.verdict("yes")
+    reply.headers["x-request-token"] = TOKEN  # an endpoint echoing a header value
+    stub.enqueue(Reply.error(503, retry_after="0"), reply, Reply.verdict(delay=1.0), Reply.verdict(delay=1.0))
+    caplog.set_level(logging.DEBUG)
+    for name in ("httpx", "httpcore"):
+        caplog.set_level(logging.DEBUG, logger=name)
+    cfg = endpoint(stub, query_params={"api-key": QUERY_SECRET, "api-version": "2024-10-21"},
+                   timeout_seconds=0.3, max_retries=1)
+    client = JudgeClient("default", cfg, api_key=KEY, extra_headers={"X-Gateway-Token": TOKEN})
+
+    async def go() -> JudgeCallError:
+        try:
+            await client.chat(MESSAGES)
+            await client.chat(MESSAGES)
+        except JudgeCallError as exc:
+            return exc
+        finally:
+            await client.aclose()
+        raise AssertionError("the second call should time out")
+
+    assert run(go).reason == "timeout"
+    assert stub.requests[0].headers["authorization"] == f"Bearer {KEY}"
+    records = [rec for rec in caplog.records if rec.name.startswith(("httpx", "httpcore"))]
+    assert {"httpx", "httpcore.connection", "httpcore.http11"} <= {rec.name for rec in records}
+    assert any("receive_response_headers.complete" in rec.getMessage() for rec in records)
+    text = caplog.text + "".join(rec.getMessage() + repr(rec.args) for rec in records)
+    for secret in (KEY, TOKEN, QUERY_SECRET, str(httpx.QueryParams({"c": QUERY_SECRET}))[2:]):
+        assert secret not in text, secret
+    assert "127.0.0.1" in text  # the records are there, only their secrets masked

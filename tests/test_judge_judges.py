@@ -207,7 +207,7 @@ def test_groundedness_scores_statements_and_names_the_unsupported(stub: OpenAISt
     assert section(req.prompt, "statements") == (
         "[1] You can return items within 30 days.\n[2] Refunds go to the original card."
     )
-    assert "[1] (kb://returns)\nItems can be returned within 30 days" in section(req.prompt, "context")
+    assert "[1] (kb://returns)\n| Items can be returned within 30 days" in section(req.prompt, "context")
     assert req.body["response_format"]["json_schema"]["name"] == "groundedness_verdicts"
     assert metric(runner, "tracejudge_judge_score_bucket", app="shop", judge="groundedness", le="0.5") == 1
     assert metric(runner, "tracejudge_judge_tokens_total", judge="groundedness", direction="input") == 40
@@ -345,8 +345,8 @@ def test_fact_check_minicheck_prompt_and_bare_answer(stub: OpenAIStub) -> None:
     assert req.body["messages"] == [
         {
             "role": "user",
-            "content": "Document: Items can be returned within 30 days of delivery.\n\n"
-            "Refunds are issued to the original payment method.\n"
+            "content": "Document: Items can be returned within 30 days of delivery.\n| \n"
+            "| Refunds are issued to the original payment method.\n"
             "Claim: Items can be returned within 30 days.",
         }
     ]

@@ -134,7 +134,7 @@ def test_in_flight_bound_thins_instead_of_queueing(stub: OpenAIStub) -> None:
     assert [f.done() for f in futures[2:]] == [True] * 8
     assert all(f.result()[0].skipped == "overloaded" for f in futures[2:])
     assert r.in_flight == 2 and value(r, "tracejudge_judge_in_flight") == 2
-    assert [f.result(timeout=10)[0].value for f in futures[:2]] == ["yes", "yes"]
+    assert [f.result(timeout=60)[0].value for f in futures[:2]] == ["yes", "yes"]
     wait_until(lambda: r.in_flight == 0)
     assert (
         value(
@@ -143,7 +143,7 @@ def test_in_flight_bound_thins_instead_of_queueing(stub: OpenAIStub) -> None:
         == 8
     )
     release.set()
-    assert r.submit(record(99)).result(timeout=10)[0].value == "yes"
+    assert r.submit(record(99)).result(timeout=60)[0].value == "yes"
     r.close()
 
 
@@ -241,7 +241,7 @@ def test_submit_from_many_threads(stub: OpenAIStub) -> None:
 
     def worker(base: int) -> None:
         for i in range(10):
-            [a] = r.submit(record(base + i)).result(timeout=10)
+            [a] = r.submit(record(base + i)).result(timeout=60)
             with lock:
                 results.append(a.value)
 

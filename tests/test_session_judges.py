@@ -398,7 +398,7 @@ def test_submit_judges_in_the_background_and_close_skips_later_sessions(stub: Op
     futures = [r.submit(conversation(("hi", "hello"), session_id=f"s{i}")) for i in range(8)]
     assert [a.value for f in futures for a in f.result(timeout=30)] == ["yes"] * 8
     r.close(drain_seconds=5)
-    [late] = r.submit(SHOP).result(timeout=5)
+    [late] = r.submit(SHOP).result(timeout=60)
     assert late.skipped == "closed" and stub.total == 8
     assert value(r, "tracejudge_session_judge_in_flight") == 0
 

@@ -8,9 +8,10 @@ real sockets to it (keep-alive, timeouts, disconnects and all). Answers are scri
         stub.responder = lambda req: Reply.chat("...")                       # then this, per request
 
 `Reply.delay` holds the answer back (a delay longer than the client's timeout is a timeout);
-`Reply.raw` sends any bytes (malformed JSON). Every request is recorded (`stub.requests`) with its
-arrival time, headers and decoded JSON body. Embedding requests get deterministic bag-of-words
-vectors by default, so texts sharing words have a high cosine similarity.
+`Reply.hold` holds it until a `threading.Event` is set (a test keeps a request in flight as long as it
+needs, with no timing guess); `Reply.raw` sends any bytes (malformed JSON). Every request is recorded
+(`stub.requests`) with its arrival time, headers and decoded JSON body. Embedding requests get
+deterministic bag-of-words vectors by default, so texts sharing words have a high cosine similarity.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ import orjson
 __all__ = ["OpenAIStub", "Reply", "StubRequest", "bag_of_words_vector", "wait_until"]
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.01) -> None:
-    """Poll `predicate` until it holds; fail after `timeout` seconds (no bare sleeps in tests)."""
+def wait_until(predicate: Callable[[], bool], timeout: float = 60.0, interval: float = 0.01) -> None:
+    """Poll `predicate` until it holds; fail after `timeout` seconds (no bare sleeps in tests). The
+    default is generous: a condition that holds returns at once, however loaded the machine is."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -67,6 +69,8 @@ class Reply:
     headers: dict[str, str] = field(default_factory=dict)
     delay: float = 0.0
     content_type: str = "application/json"
+    # Answer only once this is set (the request is recorded at once).
+    hold: threading.Event | None = None
 
     @classmethod
     def chat(
@@ -335,6 +339,8 @@ class OpenAIStub:
                 reply = self._next_reply(req)
                 if isinstance(body, dict) and body.get("stream") and reply.status == 200:
                     reply = _as_stream(reply)
+                while reply.hold is not None and not reply.hold.is_set():
+                    await asyncio.sleep(0.002)
                 if reply.delay + self.delay > 0:
                     await asyncio.sleep(reply.delay + self.delay)
                 extra = "".join(f"{k}: {v}\r\n" for k, v in reply.headers.items())
