@@ -40,6 +40,7 @@ import orjson
 from kafka.structs import TopicPartition
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from tracejudge.consumer.cli_args import GROUP_METAVAR, TOPIC_METAVAR, add_stage_arguments
 from tracejudge.consumer.config import ConfigError, Settings, load_settings
 from tracejudge.consumer.labels import normalise_id
 from tracejudge.consumer.runtime import (
@@ -319,17 +320,14 @@ class AgreementRunner(ConsumerRuntime):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `tracejudge agreement`; each overrides its configuration key."""
-    parser.add_argument("--config", metavar="FILE", help="YAML configuration file (its agreement: section)")
-    parser.add_argument("--bootstrap-servers", metavar="HOST:PORT[,...]",
-                        help="Kafka brokers (kafka.bootstrap_servers)")
-    parser.add_argument("--group-id", help=f"consumer group (agreement.group_id, default {DEFAULT_GROUP})")
-    parser.add_argument("--results-topic", help="the results topic to read (agreement.results_topic, "
-                                                "default stream.results_topic)")
-    parser.add_argument("--labels-topic", help="the human labels topic (agreement.labels_topic)")
-    parser.add_argument("--metrics-port", type=int, metavar="PORT",
-                        help="port of /metrics, /healthz, /readyz (http.port, default 9464)")
-    parser.add_argument("--check-config", action="store_true",
-                        help="validate the configuration, print it (secrets redacted) and exit")
+    add_stage_arguments(parser, "agreement", config_help="YAML configuration file (its agreement: section)")
+    parser.add_argument("--group-id", metavar=GROUP_METAVAR,
+                        help=f"consumer group (agreement.group_id, default {DEFAULT_GROUP})")
+    parser.add_argument("--results-topic", metavar=TOPIC_METAVAR,
+                        help="the results topic to read (agreement.results_topic, "
+                             "default stream.results_topic)")
+    parser.add_argument("--labels-topic", metavar=TOPIC_METAVAR,
+                        help="the human labels topic (agreement.labels_topic)")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -338,6 +336,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                  "agreement.results_topic": getattr(args, "results_topic", None),
                  "agreement.labels_topic": getattr(args, "labels_topic", None),
                  "http.port": getattr(args, "metrics_port", None),
+                 "http.bind_address": getattr(args, "metrics_bind_address", None),
                  "logging.level": getattr(args, "log_level", None)}
     return load_settings(getattr(args, "config", None), overrides=overrides, require_topics=False)
 

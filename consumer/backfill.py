@@ -18,7 +18,8 @@ Why it is built this way:
   the stream), so a Ctrl-C or a crash never skips a record; it may re-publish a few (at-least-once).
 - Leaves the live stream's Prometheus series alone: its judges count into a private registry that is
   never served, so `tracejudge_judge_*` on the dashboards stays the live traffic's. The terminal gets
-  the progress and the summary instead.
+  the progress and the summary; `/metrics` on `--metrics-port` (default 9468) only the run's own
+  `tracejudge_backfill_*` progress.
 - Its end does not trust the broker's answers: per partition it stops at the first record whose
   timestamp is at or after `--to`, or at the high watermark the first fetch reported (the end as of
   the start), whichever comes first. Tansu answers ListOffsets for a time with the partition's first
@@ -43,17 +44,29 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import IO, Any
 
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.errors import KafkaError
 from kafka.structs import TopicPartition
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from tracejudge.consumer.cli_args import (
+    GROUP_METAVAR,
+    TOPIC_METAVAR,
+    add_bootstrap_servers_argument,
+    add_config_argument,
+    add_metrics_arguments,
+    metrics_port_default,
+)
 from tracejudge.consumer.config import ConfigError, Settings, load_settings
+from tracejudge.consumer.exit_status import SERVICE_FAILED
+from tracejudge.consumer.http_server import OperationsServer
 from tracejudge.consumer.offline import JudgeTally
 from tracejudge.consumer.offsets import OffsetTracker, Releasable
 from tracejudge.consumer.pipeline import build_pipeline
@@ -450,13 +463,76 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(6h, 7d)")
     parser.add_argument("--to", dest="end", metavar="TIME",
                         help="up to (not including) this time (default: the topics' end when the run starts)")
-    parser.add_argument("--config", type=Path, required=True,
-                        help="the YAML file `tracejudge run` reads (topics, judges, results topic)")
+    add_config_argument(parser, "the YAML file `tracejudge run` reads (topics, judges, results topic)",
+                        required=True)
+    add_bootstrap_servers_argument(parser)
     parser.add_argument("--judges", metavar="A,B", help="the judges to run (default: every configured judge)")
-    parser.add_argument("--group-id", help="consumer group (default: tracejudge-backfill-<run id>, "
-                                           "so the same command resumes)")
-    parser.add_argument("--results-topic", help="publish the results here (default: stream.results_topic)")
-    parser.add_argument("--bootstrap-servers", help="Kafka brokers (kafka.bootstrap_servers)")
+    parser.add_argument("--group-id", metavar=GROUP_METAVAR,
+                        help="consumer group (default: tracejudge-backfill-<run id>, so the same command "
+                             "resumes)")
+    parser.add_argument("--results-topic", metavar=TOPIC_METAVAR,
+                        help="publish the results here (default: stream.results_topic)")
+    # Not http.port: the file is the running stream's, whose port is taken by `tracejudge run`.
+    add_metrics_arguments(parser, "backfill", key=False)
+
+
+class _Progress(Collector):
+    """The run's tally as Prometheus series, read at each scrape (`tracejudge_backfill_*`): what a
+    dashboard or a Job's scrape needs to follow a long backfill. Never the judges' own series, which
+    stay the live stream's."""
+
+    def __init__(self, run: BackfillRun) -> None:
+        self.run = run
+
+    def collect(self) -> Iterator[Metric]:
+        t = self.run.tally
+        with t._lock:
+            read, published, skipped = t.read, t.judged, dict(t.skipped)
+            parts = list(t.partitions.values())
+        family = CounterMetricFamily("tracejudge_backfill_records_read", "Records of the range read.")
+        family.add_metric([], read)
+        yield family
+        family = CounterMetricFamily("tracejudge_backfill_results_published",
+                                     "Results published to the results topic, marked as this backfill.")
+        family.add_metric([], published)
+        yield family
+        family = CounterMetricFamily("tracejudge_backfill_records_skipped",
+                                     "Records read but not judged, by reason (before_range, undecodable).",
+                                     labels=["reason"])
+        for reason, n in sorted(skipped.items()):
+            family.add_metric([reason], n)
+        yield family
+        gauge = GaugeMetricFamily("tracejudge_backfill_partitions",
+                                  "Partitions of the range: reading, or done (read to the range's end).",
+                                  labels=["state"])
+        done = sum(1 for p in parts if p.done)
+        gauge.add_metric(["done"], done)
+        gauge.add_metric(["reading"], len(parts) - done)
+        yield gauge
+
+
+def _serve_progress(run: BackfillRun, args: argparse.Namespace, settings: Settings,
+                    err: IO[str]) -> tuple[OperationsServer | None, bool]:
+    """Serve `_Progress` on `--metrics-port` (default 9468) unless `http.enabled` is false: (the server,
+    True), or (None, False) when the port the user asked for cannot be bound. The default port taken
+    (another backfill on this host) only warns: the metrics are an extra, the terminal has the progress."""
+    if not settings.http.enabled:
+        return None, True
+    port = args.metrics_port if getattr(args, "metrics_port", None) is not None \
+        else metrics_port_default("backfill")
+    host = getattr(args, "metrics_bind_address", None) or settings.http.bind_address
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(_Progress(run))
+    try:
+        server = OperationsServer(registry, host=host, port=port).start()
+    except OSError as exc:
+        asked = getattr(args, "metrics_port", None) is not None
+        print(f"tracejudge backfill: cannot serve metrics on {host}:{port} (--metrics-port): "
+              f"{exc.strerror or exc}; {'' if asked else 'going on without them; '}"
+              "--metrics-port 0 picks a free port", file=err)
+        return None, not asked
+    print(f"tracejudge backfill: progress metrics on http://{host}:{server.port}/metrics", file=err)
+    return server, True
 
 
 def main(args: argparse.Namespace, *, stop_event: threading.Event | None = None) -> int:
@@ -482,19 +558,25 @@ def main(args: argparse.Namespace, *, stop_event: threading.Event | None = None)
     print(f"tracejudge backfill {run.run_id}: {', '.join(run.topics)} from {_iso(start)} to "
           f"{_iso(end) if end is not None else 'the end at start'}; judges {judged}; group {run.group_id}; "
           f"results to {run.results_topic}", file=err)
+    server, served = _serve_progress(run, args, settings, err)
+    if not served:
+        run.judges.close()
+        return SERVICE_FAILED
     previous = _on_sigint(stop) if threading.current_thread() is threading.main_thread() else None
     try:
         tally = run.run()
     except BackfillError as exc:
         print(f"tracejudge backfill: {exc}", file=err)
-        return 1
+        return SERVICE_FAILED
     except KafkaError as exc:
         print(f"tracejudge backfill: cannot read from Kafka ({', '.join(settings.kafka.bootstrap_servers)}): "
               f"{type(exc).__name__}: {exc}", file=err)
-        return 1
+        return SERVICE_FAILED
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
+        if server is not None:
+            server.stop()
     if run.tally.resumed:
         print(f"resumed {run.tally.resumed} partitions from the group's committed offsets", file=err)
     print(f"tracejudge backfill {run.run_id} {'summary' if run.completed else 'stopped'}", file=err)
@@ -523,7 +605,8 @@ def _resume_command(args: argparse.Namespace, start: float, end: float | None) -
     if end is not None:
         words += ["--to", _iso(end)]
     words += ["--config", str(args.config)]
-    for flag in ("judges", "group_id", "results_topic", "bootstrap_servers"):
+    for flag in ("judges", "group_id", "results_topic", "bootstrap_servers", "metrics_port",
+                 "metrics_bind_address"):
         if (value := getattr(args, flag, None)) is not None:
-            words += [f"--{flag.replace('_', '-')}", value]
+            words += [f"--{flag.replace('_', '-')}", str(value)]
     return shlex.join(words)

@@ -13,28 +13,42 @@ balanced accuracy and Cohen's kappa with its interval (`tracejudge.metrics.agree
 calibration file (`tracejudge.metrics.calibration`) keyed by the judge's version fingerprint. A judge
 with fewer than `MINIMUM_LABELS` labels of either class is reported but marked not calibrated.
 
-Exit status: 0; 1 when a judge with labels has a kappa below `--min-kappa` (or none); 2 for bad input
-or configuration (unreadable files, no labelled record at all).
+Exit status (`consumer/exit_status.py`): 0; 1 when a judge with labels has a kappa below `--min-kappa`
+(or none); 2 for bad input or configuration (unreadable files, a file of which no line is a record or
+a label, no labelled record at all, `-o` naming an input); 3 when the calibration file cannot be
+written (the previous one is left as it was).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack
-from pathlib import Path
 from typing import IO
 
+from tracejudge.consumer import exit_status
+from tracejudge.consumer.cli_args import add_config_argument
 from tracejudge.consumer.config import ConfigError, Settings, load_settings
+from tracejudge.consumer.files import (
+    AtomicOutput,
+    InputError,
+    OutputError,
+    open_input,
+    open_inputs,
+    refuse_overwriting_inputs,
+)
 from tracejudge.consumer.labels import LabelsError, LabelSet
-from tracejudge.consumer.offline import FileEvaluation, InputError, Summary, _open_inputs
+from tracejudge.consumer.offline import FileEvaluation, Summary
 from tracejudge.consumer.pipeline import build_pipeline
 from tracejudge.metrics.agreement import MINIMUM_LABELS, Agreement, Confusion
-from tracejudge.metrics.calibration import Calibration, CalibrationError, CalibrationFile, save
+from tracejudge.metrics.calibration import Calibration, CalibrationError, CalibrationFile, load
 from tracejudge.metrics.judge_config import JudgeConfigError, JudgesConfig, JudgeSettings, load_judges_config
 from tracejudge.metrics.judging import JudgeRunner
+from tracejudge.schemas.detect import BINARY_FORMATS, INPUT_FORMATS
 from tracejudge.schemas.record import EvalRecord
 from tracejudge.schemas.result import JudgeIdentity
 
@@ -51,13 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also read HUMAN feedback from this MLflow tracking server (with --experiment)")
     parser.add_argument("--experiment", action="append", default=[], metavar="ID",
                         help="MLflow experiment id whose traces' HUMAN feedback to read (repeatable)")
-    parser.add_argument("--config", type=Path,
-                        help="the YAML file `tracejudge run` reads (its judges: section is calibrated)")
+    add_config_argument(parser, "the YAML file `tracejudge run` reads (its judges: section is calibrated)")
     parser.add_argument("-o", "--output", metavar="FILE",
                         help="write (merge into) this calibration file")
     parser.add_argument("--min-kappa", type=float, metavar="K",
                         help="exit 1 when a labelled judge's Cohen's kappa is below K")
-    parser.add_argument("--format", default="auto", choices=["auto", "agent_eval", "mlflow", "inference_log"],
+    parser.add_argument("--format", default="auto",
+                        choices=[f for f in INPUT_FORMATS if f not in BINARY_FORMATS],
                         help="the format of every record line (default: detected per line)")
 
 
@@ -142,7 +156,7 @@ def _labelled(results: Iterator, labels: LabelSet, judges: list[str],
 
 def _build(settings: Settings) -> JudgeRunner:
     try:
-        config = judge_every_record(load_judges_config(settings.judges or {}))
+        config = judge_every_record(load_judges_config(settings.judges or {}).for_offline())
         return JudgeRunner(config)
     except JudgeConfigError as exc:
         raise ConfigError([(exc.key, exc.detail)]) from None
@@ -168,20 +182,21 @@ def main(args: argparse.Namespace, out: IO[str] | None = None) -> int:
     with ExitStack() as stack:
         stack.callback(runner.close)
         try:
+            # Before anything is opened: the calibration file must not be one of the inputs.
+            read = [*args.inputs, *args.labels, *([str(args.config)] if args.config else [])]
+            refuse_overwriting_inputs({"-o/--output": args.output}, read)
+            _check_mergeable(args.output)
             for path in args.labels:
-                try:
-                    stream = stack.enter_context(open(path, "rb"))
-                except OSError as exc:
-                    raise InputError(f"cannot read {path}: {exc.strerror or exc}") from exc
-                labels.read_jsonl(stream, path)
+                labels.read_jsonl(open_input(stack, path), path, settings.stream.max_record_bytes)
             if args.labels_from_mlflow:
                 labels.read_mlflow(args.labels_from_mlflow, args.experiment)
-            inputs = _open_inputs(stack, args.inputs)
-        except (InputError, LabelsError) as exc:
+            inputs = open_inputs(stack, args.inputs)
+        except (InputError, LabelsError, CalibrationError) as exc:
             print(f"tracejudge calibrate: {exc}", file=err)
-            return 2
+            return exit_status.USAGE
         fmt = None if args.format == "auto" else args.format
-        results = FileEvaluation(pipeline, settings, fmt, summary, None, err).results(inputs)
+        evaluation = FileEvaluation(pipeline, settings, fmt, summary, None, err)
+        results = evaluation.results(inputs)
         records: list[EvalRecord] = []
 
         def kept() -> Iterator[EvalRecord]:
@@ -192,6 +207,9 @@ def main(args: argparse.Namespace, out: IO[str] | None = None) -> int:
         for i, assessments in enumerate(runner.judge_many(kept())):
             tallies.add(records[i], assessments, labels)
             records[i] = None  # type: ignore[call-overload]  # judged: let it go
+        if evaluation.unreadable is not None:
+            print(f"tracejudge calibrate: {evaluation.unreadable}", file=err)
+            return exit_status.USAGE
     for line in labels.reported:
         print(f"labels: {line}", file=err)
     if labels.problems:
@@ -213,12 +231,36 @@ def main(args: argparse.Namespace, out: IO[str] | None = None) -> int:
             if ident is not None and tallies.confusion[name].n:
                 calibrations.put(Calibration.measured(name, ident, Agreement.of(tallies.confusion[name])))
         try:
-            save(args.output, calibrations)
-        except (OSError, CalibrationError) as exc:
-            print(f"tracejudge calibrate: cannot write {args.output}: {exc}", file=err)
-            return 2
+            _write_calibration(args.output, calibrations)
+        except CalibrationError as exc:
+            print(f"tracejudge calibrate: cannot merge into {args.output}: {exc}", file=err)
+            return exit_status.USAGE
+        except OutputError as exc:
+            print(f"tracejudge calibrate: {exc}", file=err)
+            return exit_status.OUTPUT_ERROR
         print(f"calibration written to {args.output}", file=out)
     return _gate(args.min_kappa, tallies, judged)
+
+
+def _check_mergeable(path: str | None) -> None:
+    """The calibration file `-o` merges into, read before any judge runs: a malformed one is found
+    before the judging it would waste (`CalibrationError`, status 2)."""
+    if path is not None and os.path.isfile(path):
+        load(path)
+
+
+def _write_calibration(path: str, calibrations: CalibrationFile) -> None:
+    """`calibrations` merged into what `path` holds (other judges and versions kept, the same version
+    replaced), written beside it and renamed into place (`files.AtomicOutput`): a failed write leaves
+    the previous file as it was. Raises `CalibrationError` (the file became unreadable) or
+    `OutputError`."""
+    merged = load(path) if os.path.isfile(path) else CalibrationFile()
+    for versions in calibrations.judges.values():
+        for c in versions.values():
+            merged.put(c)
+    with AtomicOutput(path) as output:
+        output.write(json.dumps(merged.to_json(), indent=1).encode() + b"\n")
+        output.commit()
 
 
 def _gate(min_kappa: float | None, tallies: JudgeTallies, judged: list[str]) -> int:

@@ -23,7 +23,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -39,6 +39,7 @@ from pydantic import (
 
 from tracejudge.metrics.computed import MetricsConfig
 from tracejudge.metrics.judge_config import JudgesConfig
+from tracejudge.metrics.secrets import MASK, OPAQUE, SECRET, redact_url, redact_urls, shown
 
 __all__ = [
     "ENV_PREFIX",
@@ -63,7 +64,6 @@ ENV_NESTING = "__"
 FORMATS = ("auto", "agent_eval", "mlflow", "inference_log", "otlp_proto", "otlp_json", "otlp_logs_proto",
            "otlp_logs_json")
 _TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
-_SECRET_HINTS = ("password", "secret", "token")
 
 
 class ConfigError(Exception):
@@ -184,6 +184,10 @@ class KafkaSettings(Section):
     @classmethod
     def _host_port(cls, v: list[str]) -> list[str]:
         for server in v:
+            if "@" in server or "://" in server:
+                raise ValueError("a bootstrap server is host:port, without a scheme or credentials "
+                                 "(user:password@); SASL credentials go in kafka.sasl_plain_username "
+                                 "and kafka.sasl_plain_password")
             host, sep, port = server.rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"{server!r} is not host:port")
@@ -490,8 +494,9 @@ class SinkSettings(Section):
     max_retry_backoff_s: float = Field(default=60.0, gt=0)
     # More sinks: kind -> "package.module:Class", a `tracejudge.consumer.writeback.base.Sink`.
     plugins: dict[str, str] = Field(default_factory=dict)
-    mlflow: dict[str, Any] | None = None
-    otlp: dict[str, Any] | None = None
+    # The built-in sinks' sections, validated by their sinks (`from_mapping`): opaque here.
+    mlflow: Annotated[dict[str, Any] | None, OPAQUE] = None
+    otlp: Annotated[dict[str, Any] | None, OPAQUE] = None
 
     _topic = field_validator("results_topic", "session_results_topic", "dead_letter_topic")(_optional_topic)
 
@@ -511,8 +516,8 @@ class SinkSettings(Section):
                 close = difflib.get_close_matches(key, [*own, *self.plugins], n=1)
                 raise _KeyedError(key, "unknown key" + (f"; did you mean {close[0]!r}?" if close else
                                                         "; a plugin's section needs sink.plugins." + key))
-            if value is not None and not isinstance(value, dict):
-                raise _KeyedError(key, f"must be a mapping, got {value!r}")
+            if value is not None and not isinstance(value, dict):  # never quoted: it may be a secret
+                raise _KeyedError(key, f"must be a mapping, got {type(value).__name__}")
         if self.dead_letter_topic is not None and self.dead_letter_topic == self.results_topic:
             raise _KeyedError("dead_letter_topic", "is the results topic; the sink would read its own "
                               "dead letters")
@@ -600,37 +605,72 @@ class Settings(Section):
     agreement: AgreementSettings = Field(default_factory=AgreementSettings)
 
     def redacted(self) -> dict[str, Any]:
-        """Effective settings as flat `section.key -> value`, secrets replaced by '**********'."""
+        """Effective settings as flat `section.key -> value`, by each field's declared secrecy
+        (`tracejudge.metrics.secrets`): a `SecretStr` or `SECRET` field (each value of a `SECRET`
+        mapping) is '**********', an `OPAQUE` section (a sink's own, validated by the sink) shows its
+        strings as '**********', and every URL is shown without its credentials or query values.
+        Nothing is hidden or shown because of what a key is called."""
         out: dict[str, Any] = {}
-
-        def walk(prefix: str, obj: Any) -> None:
-            leaf = prefix.rsplit(".", 1)[-1]
-            if isinstance(obj, BaseModel):
-                for name in type(obj).model_fields:
-                    walk(f"{prefix}.{name}" if prefix else name, getattr(obj, name))
-                for name, value in (obj.model_extra or {}).items():  # a sink plugin's section
-                    walk(f"{prefix}.{name}" if prefix else name, value)
-            elif isinstance(obj, dict) and obj:
-                for key, value in obj.items():
-                    walk(f"{prefix}.{key}", value)
-            elif (".headers." in f".{prefix}" or leaf == "headers") and not isinstance(obj, (dict, list)):
-                # HTTP headers (a sink's `headers`, as a map or as one `k=v,k2=v2` string) carry
-                # credentials under any name.
-                out[prefix] = "**********"
-            elif isinstance(obj, SecretStr) or (
-                    isinstance(obj, str) and any(h in leaf for h in (*_SECRET_HINTS, "api_key"))
-                    and not leaf.endswith(("_file", "_env", "_header", "_provider"))):
-                out[prefix] = "**********"
-            elif isinstance(obj, list):
-                out[prefix] = [str(x) if isinstance(x, TopicSpec) else
-                               x.model_dump(mode="json") if isinstance(x, BaseModel) else x for x in obj]
-            elif isinstance(obj, Path):
-                out[prefix] = str(obj)
-            else:
-                out[prefix] = obj
-
-        walk("", self)
+        _walk_shown(out, "", self, secret=False, opaque=False)
         return out
+
+
+def _markers(model: type[BaseModel], name: str) -> tuple[bool, bool]:
+    """(secret, opaque) as the field `name` of `model` declares it."""
+    field = model.model_fields[name]
+    return SECRET in field.metadata, OPAQUE in field.metadata
+
+
+def _walk_shown(out: dict[str, Any], prefix: str, obj: Any, *, secret: bool, opaque: bool) -> None:
+    if isinstance(obj, BaseModel):
+        cls = type(obj)
+        for name in cls.model_fields:
+            is_secret, is_opaque = _markers(cls, name)
+            _walk_shown(out, f"{prefix}.{name}" if prefix else name, getattr(obj, name),
+                        secret=secret or is_secret, opaque=opaque or is_opaque)
+        # A model's extra keys are sections it does not validate (a sink plugin's): opaque.
+        for name, value in (obj.model_extra or {}).items():
+            _walk_shown(out, f"{prefix}.{name}" if prefix else name, value, secret=secret, opaque=True)
+    elif isinstance(obj, Mapping) and obj:
+        for key, value in obj.items():
+            _walk_shown(out, f"{prefix}.{key}", value, secret=secret, opaque=opaque)
+    elif obj is None or isinstance(obj, Mapping):
+        out[prefix] = None if obj is None else {}
+    elif secret or isinstance(obj, SecretStr):
+        out[prefix] = MASK
+    elif opaque:
+        out[prefix] = _opaque_value(obj)
+    elif isinstance(obj, list):
+        out[prefix] = [str(x) if isinstance(x, TopicSpec) else
+                       _shown_json(x.model_dump(mode="json")) if isinstance(x, BaseModel) else shown(x)
+                       for x in obj]
+    elif isinstance(obj, Path):
+        out[prefix] = str(obj)
+    else:
+        out[prefix] = shown(obj)
+
+
+def _opaque_value(value: Any) -> Any:
+    """A value of a section this process does not validate: numbers, booleans and URLs (redacted)
+    are shown; any other string, which may be a secret, is masked."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, str):
+        return redact_url(value) if "://" in value else MASK
+    if isinstance(value, Mapping):
+        return {str(k): _opaque_value(v) for k, v in value.items()} if value else {}
+    if isinstance(value, (list, tuple)):
+        return [_opaque_value(v) for v in value]
+    return MASK
+
+
+def _shown_json(value: Any) -> Any:
+    """A plain JSON value (a list item that is a model) with every URL in it redacted."""
+    if isinstance(value, Mapping):
+        return {k: _shown_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shown_json(v) for v in value]
+    return shown(value)
 
 
 # -- loading ------------------------------------------------------------------------------------
@@ -697,9 +737,13 @@ def load_settings(config_file: str | os.PathLike[str] | None = None, *,
         if field.default_factory is not None:
             data.setdefault(name, {})
     try:
-        return Settings.model_validate(data, context={"offline": offline or not require_topics})
+        settings = Settings.model_validate(data, context={"offline": offline or not require_topics})
     except ValidationError as exc:
         raise ConfigError(_explain(exc, origins)) from None
+    # Offline evaluation judges every eligible record unless a sample rate is configured.
+    if offline and settings.judges is not None:
+        settings = settings.model_copy(update={"judges": settings.judges.for_offline()})
+    return settings
 
 
 # The flags of `tracejudge run` and `tracejudge sink`, for error messages ("from --group-id").
@@ -788,8 +832,7 @@ def _origin(loc: Sequence[Any], origins: Mapping[tuple[str, ...], str]) -> str |
 def _message(err: Mapping[str, Any], loc: Sequence[Any]) -> str:
     kind = err["type"]
     ctx = err.get("ctx") or {}
-    secret = any(h in str(part) for part in loc for h in _SECRET_HINTS)
-    given = "" if secret else f", got {err.get('input')!r}"
+    given = "" if _declared_secret(loc) else f", got {redact_urls(repr(err.get('input')))}"
     if kind == "greater_than":
         return f"must be > {ctx['gt']}{given}"
     if kind == "greater_than_equal":
@@ -824,6 +867,26 @@ def _message(err: Mapping[str, Any], loc: Sequence[Any]) -> str:
     if kind == "value_error" and "error" in ctx:
         return str(ctx["error"])
     return str(err.get("msg", kind))
+
+
+def _declared_secret(loc: Sequence[Any]) -> bool:
+    """Whether the value at `loc` is, or is inside, a field declared secret (`SecretStr`, `SECRET`)
+    or opaque (`OPAQUE`, or a section a model does not validate): its input is never quoted."""
+    cls: Any = Settings
+    for part in loc:
+        if isinstance(part, int) or cls is None:
+            continue
+        field = cls.model_fields.get(str(part))
+        if field is None:
+            # A key of a mapping field (walked past already) or an extra key: a sink plugin's section.
+            if cls.model_config.get("extra") == "allow":
+                return True
+            continue
+        candidates = [field.annotation, *getattr(field.annotation, "__args__", ())]
+        if SECRET in field.metadata or OPAQUE in field.metadata or SecretStr in candidates:
+            return True
+        cls = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    return False
 
 
 def _fields_at(loc: Sequence[Any]) -> list[str]:

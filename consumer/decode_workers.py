@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from tracejudge.consumer import gc_policy
-from tracejudge.schemas.errors import RecordError
+from tracejudge.schemas.errors import RecordError, exception_text
 from tracejudge.schemas.record import EvalRecord
 
 if TYPE_CHECKING:
@@ -101,13 +101,13 @@ def decode_one(pipeline: Pipeline, value: bytes, fmt: str | None) -> Decoded:
         return Decoded(failed_at=DECODE, reason=exc.reason, message=exc.message,
                        seconds=time.perf_counter() - started)
     except Exception as exc:
-        return Decoded(failed_at=DECODE, reason=PROCESSING_ERROR, message=f"{type(exc).__name__}: {exc}",
+        return Decoded(failed_at=DECODE, reason=PROCESSING_ERROR, message=exception_text(exc),
                        traceback=traceback.format_exc(), seconds=time.perf_counter() - started)
     try:
         result = pipeline.evaluate(record, SourceRef(format=record.source_format))
     except Exception as exc:
         return Decoded(source_format=record.source_format, failed_at=EVALUATE, reason=PROCESSING_ERROR,
-                       message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
+                       message=exception_text(exc), traceback=traceback.format_exc(),
                        seconds=time.perf_counter() - started)
     return Decoded(record=record, metrics=result.metrics, metric_errors=result.metric_errors,
                    source_format=record.source_format, seconds=time.perf_counter() - started)

@@ -23,6 +23,8 @@ from typing import IO, Any
 
 import orjson
 
+from tracejudge.consumer.files import InputError, Oversized, diagnose_unreadable, read_lines
+from tracejudge.schemas import errors
 from tracejudge.schemas.mlflow import human_feedback
 from tracejudge.schemas.record import EvalRecord, HumanLabel
 
@@ -32,6 +34,8 @@ _PASS = {"pass", "passed", "yes", "true", "good", "correct"}
 _FAIL = {"fail", "failed", "no", "false", "bad", "incorrect"}
 # Reported problems kept for printing; beyond this only the counts grow.
 MAX_REPORTED = 50
+# The longest labels line read (a calibration kit's line is a whole record): the stream's default.
+DEFAULT_MAX_LINE_BYTES = 4 * 1024 * 1024
 
 
 class LabelsError(Exception):
@@ -94,29 +98,46 @@ class LabelSet:
         return True
 
     # ------------------------------------------------------------------------------ sources
-    def read_jsonl(self, stream: IO[bytes], name: str) -> int:
-        """Read a labels file; returns how many labels it added."""
-        added = 0
-        for lineno, raw in enumerate(stream, start=1):
-            line = raw.strip()
-            if not line:
-                continue
-            where = f"{name}:{lineno}"
-            try:
-                obj = orjson.loads(line)
-            except orjson.JSONDecodeError as exc:
-                self._problem("malformed", where, f"not JSON ({exc})")
-                continue
-            if not isinstance(obj, dict):
-                self._problem("malformed", where, "expected an object")
-                continue
-            ident = obj.get("trace_id") or obj.get("request_id")
-            judge = obj.get("judge")
-            if not isinstance(ident, str) or not isinstance(judge, str) or "label" not in obj:
-                self._problem("malformed", where, 'expected "trace_id" or "request_id", "judge" and "label"')
-                continue
-            added += self.add(ident, judge, obj["label"], where)
+    def read_jsonl(self, stream: IO[bytes], name: str, max_bytes: int = DEFAULT_MAX_LINE_BYTES) -> int:
+        """Read a labels file (opened with `files.open_input`: .gz, byte-order mark); returns how many
+        labels it added. A file none of whose lines is a label at all (a CSV file, pretty-printed
+        JSON, a records file without label keys) is the wrong file, not a file of bad labels:
+        `LabelsError` names the likely cause. So is a file that cannot be read to its end."""
+        added = labelled = 0
+        first: tuple[bytes, str, str] | None = None
+        try:
+            for lineno, line in read_lines(stream, name, max_bytes):
+                where = f"{name}:{lineno}"
+                problem = self._label_line(line, where)
+                if isinstance(problem, tuple):
+                    first = first or (line.head if isinstance(line, Oversized) else line, *problem)
+                    self._problem("malformed", where, problem[1])
+                    continue
+                labelled += 1
+                added += problem
+        except InputError as exc:
+            raise LabelsError(str(exc)) from None
+        if first is not None and labelled == 0:
+            cause = diagnose_unreadable(name, *first)
+            raise LabelsError(f"{name}: no line could be read as a label: {cause}")
         return added
+
+    def _label_line(self, line: bytes | Oversized, where: str) -> int | tuple[str, str]:
+        """1 or 0 (added or not, as `add`) for a line shaped as a label, else (reason, detail)."""
+        if isinstance(line, Oversized):
+            return errors.TOO_LARGE, f"{line.size} bytes, more than a label line may have"
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError as exc:
+            return errors.INVALID_JSON, errors.not_json(exc)
+        if not isinstance(obj, dict):
+            got = ", got an array" if isinstance(obj, list) else ""
+            return errors.INVALID_RECORD, f"expected an object{got}"
+        ident = obj.get("trace_id") or obj.get("request_id")
+        judge = obj.get("judge")
+        if not isinstance(ident, str) or not isinstance(judge, str) or "label" not in obj:
+            return errors.INVALID_RECORD, 'expected "trace_id" or "request_id", "judge" and "label"'
+        return int(self.add(ident, judge, obj["label"], where))
 
     def read_records(self, records: Iterable[EvalRecord]) -> int:
         """The human labels the records carry (MLflow HUMAN feedback on their traces)."""

@@ -10,8 +10,11 @@ Below DEBUG (`--log-level`, `logging.level`, `TRACEJUDGE_LOGGING__LEVEL`), a log
   fetch and heartbeat at ERROR or WARNING, several lines a second for as long as the broker is away.
   Those records are demoted to DEBUG by `KafkaConnectionLogs`: tracejudge reports an unreachable
   broker itself, in one line naming the bootstrap servers, the time it waited and what happens next
-  (`consumer/runtime.py`), and quotes kafka-python's last connection error in it. kafka-python's other
-  warnings and errors (authorisation, fencing, a crashed IO thread) are left as they are.
+  (`consumer/runtime.py`), and quotes kafka-python's last connection error in it. So are a request
+  cancelled because its own client is closing (`kafka.cluster`'s "Metadata refresh: failed Cancelled"
+  at shutdown) and its event loop's "… is blocking the event loop" warning (`kafka.net.selector`: a
+  task that ran over 0.1 s on a busy process). kafka-python's other warnings and errors
+  (authorisation, fencing, a crashed IO thread) are left as they are.
 
 With DEBUG every library line is shown, kafka-python's connection failures as DEBUG records.
 The Python API (`tracejudge.evaluate`, `Evaluator`, an embedded `StreamRunner`) leaves its host's
@@ -42,16 +45,24 @@ _CLIENT_LOGGERS: Final = ("kafka.cluster", "kafka.coordinator", "kafka.coordinat
 _CONNECTION_MESSAGES: Final = ("No node available for metadata refresh",
                                "Heartbeat session expired",
                                "Heartbeat failed for group %s: coordinator")
+# kafka-python's event loop warns when one of its tasks ran longer than 0.1 s ("... is blocking the
+# event loop"): on a busy process the GIL, not a bug, and nothing a user can act on. Demoted to DEBUG.
+_SCHEDULER_LOGGER: Final = "kafka.net.selector"
+_SCHEDULER_MESSAGES: Final = ("blocking the event loop",)
 
 
 @functools.cache
-def _kafka_errors() -> tuple[tuple[type[BaseException], ...], type[BaseException]]:
-    """(the errors of a broker that cannot be reached, the timeout), imported on first use: a filter
-    on kafka-python's loggers only runs once kafka-python is imported (`tracejudge eval` never is)."""
+def _kafka_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    """(the errors of a broker that cannot be reached, the symptoms among them that name no cause),
+    imported on first use: a filter on kafka-python's loggers only runs once kafka-python is imported
+    (`tracejudge eval` never is). `Cancelled` is a request in flight when its own client closes (a
+    metadata refresh racing `close()`, logged at ERROR by `kafka.cluster`): nothing is wrong, and it
+    must not replace the real cause quoted in tracejudge's "cannot reach Kafka" line."""
     from kafka import errors as e
 
     return ((e.KafkaConnectionError, e.NodeNotReadyError, e.RequestTimedOutError, e.KafkaTimeoutError,
-             e.CoordinatorNotAvailableError, e.NotCoordinatorError, OSError), e.KafkaTimeoutError)
+             e.CoordinatorNotAvailableError, e.NotCoordinatorError, e.Cancelled, OSError),
+            (e.KafkaTimeoutError, e.Cancelled))
 
 
 class KafkaConnectionLogs(logging.Filter):
@@ -80,6 +91,8 @@ class KafkaConnectionLogs(logging.Filter):
     def _about_connections(record: logging.LogRecord) -> bool:
         if record.name in _NETWORK_LOGGERS:
             return True
+        if record.name == _SCHEDULER_LOGGER:
+            return isinstance(record.msg, str) and any(m in record.msg for m in _SCHEDULER_MESSAGES)
         if _connection_error(record) is not None:
             return True
         return isinstance(record.msg, str) and record.msg.startswith(_CONNECTION_MESSAGES)
@@ -107,10 +120,11 @@ def _connection_error(record: logging.LogRecord) -> BaseException | None:
 
 
 def _cause(record: logging.LogRecord) -> str | None:
-    """The error a record reports, as text; not a timeout, which is the symptom of the others."""
-    timeout = _kafka_errors()[1]
+    """The error a record reports, as text; not a timeout (the symptom of the others) nor a
+    cancellation (the client closing)."""
+    symptoms = _kafka_errors()[1]
     for exc in _errors_in(record):
-        if isinstance(exc, BaseException) and not isinstance(exc, timeout):
+        if isinstance(exc, BaseException) and not isinstance(exc, symptoms):
             text, name = str(exc), type(exc).__name__
             text = text if text.startswith(name) else f"{name}: {text}" if text else name
             return text[:200]
@@ -135,7 +149,7 @@ def configure_library_logs(level: str | int) -> None:
     # kafka-python narrates every connection and join at INFO; our own lines say what matters.
     logging.getLogger("kafka").setLevel(quiet)
     KAFKA_CONNECTION_LOGS.show = debug
-    for name in (*_NETWORK_LOGGERS, *_CLIENT_LOGGERS):
+    for name in (*_NETWORK_LOGGERS, *_CLIENT_LOGGERS, _SCHEDULER_LOGGER):
         logger = logging.getLogger(name)
         if KAFKA_CONNECTION_LOGS not in logger.filters:
             logger.addFilter(KAFKA_CONNECTION_LOGS)

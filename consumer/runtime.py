@@ -48,7 +48,9 @@ from kafka.errors import KafkaTimeoutError
 from kafka.structs import TopicPartition
 from prometheus_client import CollectorRegistry
 
+from tracejudge.consumer.cli_args import GROUP_METAVAR, TOPIC_METAVAR, add_stage_arguments, with_command_port
 from tracejudge.consumer.config import ConfigError, LoggingSettings, Settings
+from tracejudge.consumer.exit_status import SERVICE_FAILED
 from tracejudge.consumer.http_server import OperationsServer
 from tracejudge.consumer.log_setup import KAFKA_CONNECTION_LOGS, configure_library_logs
 from tracejudge.consumer.offsets import OffsetTracker, Releasable
@@ -801,7 +803,8 @@ def configure_logging(settings: LoggingSettings) -> None:
 
 def run_until_signalled(runtime: ConsumerRuntime) -> int:
     """Run in this thread until SIGTERM/SIGINT (the first one drains and commits, a second exits at
-    once without committing). 0 after a clean stop, 1 when it cannot start (logged in one line).
+    once without committing). 0 after a clean stop, 4 (`SERVICE_FAILED`) when it cannot start (logged in
+    one line).
     Other exceptions propagate."""
     log = runtime.log
     signals = {"n": 0}
@@ -819,8 +822,8 @@ def run_until_signalled(runtime: ConsumerRuntime) -> int:
     try:
         runtime.run()
     except StartupError as exc:
-        log.error("%s; exiting with status 1", exc)
-        return 1
+        log.error("%s; exiting with status %d", exc, SERVICE_FAILED)
+        return SERVICE_FAILED
     return 0
 
 
@@ -834,7 +837,8 @@ def stage_main(name: str, args: Any, settings_from_args: Callable[[Any], Setting
     values the plan resolved, status 0; else run until signalled (0 after a clean stop, 1 when it
     cannot start)."""
     try:
-        settings = settings_from_args(args)
+        # The stage's own default metrics port unless http.port was given (`cli_args.METRICS_PORTS`).
+        settings = with_command_port(settings_from_args(args), name)
         planned = plan(settings) if plan is not None else None
     except ConfigError as exc:
         print(f"tracejudge {name}: {exc.report()}", file=sys.stderr)
@@ -858,21 +862,15 @@ def stage_main(name: str, args: Any, settings_from_args: Callable[[Any], Setting
 # -- command-line flags every stage shares ----------------------------------------------------------
 
 
-def add_runtime_arguments(parser: Any, *, config_help: str, group: tuple[str, str],
+def add_runtime_arguments(parser: Any, *, command: str, config_help: str, group: tuple[str, str],
                           results: tuple[str, str], dead_letters: tuple[str, str]) -> None:
-    """The flags of every command on the runtime; `group`, `results` and `dead_letters` are each the
-    configuration key the flag overrides and its help text (`runtime_overrides` reads them back)."""
-    parser.add_argument("--config", metavar="FILE", help=config_help)
-    parser.add_argument("--bootstrap-servers", metavar="HOST:PORT[,...]",
-                        help="Kafka brokers (kafka.bootstrap_servers)")
-    parser.add_argument("--group-id", help=group[1])
-    parser.add_argument("--results-topic", help=results[1])
-    parser.add_argument("--dead-letter-topic", help=dead_letters[1])
-    parser.add_argument("--metrics-port", type=int, metavar="PORT",
-                        help="port of /metrics, /healthz, /readyz (http.port, default 9464)")
-    parser.add_argument("--metrics-bind-address", metavar="ADDR", help="bind address (http.bind_address)")
-    parser.add_argument("--check-config", action="store_true",
-                        help="validate the configuration, print it (secrets redacted) and exit")
+    """The flags of every command on the runtime: the common stage flags (`cli_args`), then `group`,
+    `results` and `dead_letters`, each the configuration key the flag overrides and its help text
+    (`runtime_overrides` reads them back)."""
+    add_stage_arguments(parser, command, config_help=config_help)
+    parser.add_argument("--group-id", metavar=GROUP_METAVAR, help=group[1])
+    parser.add_argument("--results-topic", metavar=TOPIC_METAVAR, help=results[1])
+    parser.add_argument("--dead-letter-topic", metavar=TOPIC_METAVAR, help=dead_letters[1])
     parser.set_defaults(runtime_keys={"group_id": group[0], "results_topic": results[0],
                                       "dead_letter_topic": dead_letters[0]})
 

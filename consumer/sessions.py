@@ -70,6 +70,7 @@ from kafka.structs import TopicPartition
 from prometheus_client import CollectorRegistry
 
 from tracejudge.consumer import gc_policy
+from tracejudge.consumer.cli_args import TOPIC_METAVAR
 from tracejudge.consumer.config import ConfigError, SessionsSettings, Settings, load_settings
 from tracejudge.consumer.offsets import Ticket
 from tracejudge.consumer.runtime import (
@@ -870,13 +871,14 @@ def _shown(key: str) -> bool:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `tracejudge sessions`; each overrides its configuration key."""
     add_runtime_arguments(
-        parser, config_help="YAML configuration file (its sessions: and judges: sections)",
+        parser, command="sessions",
+        config_help="YAML configuration file (its sessions: and judges: sections)",
         group=("sessions.group_id", f"consumer group (sessions.group_id, default {DEFAULT_GROUP})"),
         results=("sessions.results_topic", "publish one session result per closed session here "
                                            "(sessions.results_topic, required)"),
         dead_letters=("sessions.dead_letter_topic",
                       "route records that are not trace results here (sessions.dead_letter_topic)"))
-    parser.add_argument("--input-topic", metavar="NAME",
+    parser.add_argument("--input-topic", metavar=TOPIC_METAVAR,
                         help="the trace results topic to read (sessions.input_topic, default "
                              "stream.results_topic)")
 

@@ -31,13 +31,14 @@ Delivery is at least once: a batch written and not yet committed when the proces
 partition moves is written again by the next owner, so sinks make their writes idempotent. A
 rebalance drops the batches not yet written, uncommitted. SIGTERM stops fetching, offers the pending
 batches once more within `stream.shutdown_grace_seconds`, commits what was written, and leaves the
-group. Any exception from `write` other than `RetryLater` stops the process (status 1), committing
+group. Any exception from `write` other than `RetryLater` stops the process (status 4), committing
 nothing past the failed batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import inspect
 import json
@@ -55,7 +56,9 @@ from kafka import KafkaProducer
 from kafka.structs import TopicPartition
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from tracejudge.consumer.config import ConfigError, Settings, load_settings
+from tracejudge.consumer.cli_args import with_command_port
+from tracejudge.consumer.config import BUILTIN_SINKS, ConfigError, Settings, load_settings
+from tracejudge.consumer.exit_status import SERVICE_FAILED
 from tracejudge.consumer.offsets import Ticket
 from tracejudge.consumer.runtime import (
     NO_LIMIT,
@@ -703,15 +706,60 @@ def _shown_for(settings: Settings, kind: str) -> Any:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of `tracejudge sink`; each flag overrides its configuration key."""
-    parser.add_argument("kind", metavar="KIND",
-                        help="mlflow, otlp, or a kind named in sink.plugins")
+    parser.add_argument("kind", metavar="KIND", action=_SinkKind,
+                        help="mlflow (MLflow assessments on the traces), otlp (OpenTelemetry "
+                             "gen_ai.evaluation.result events to a collector), or a kind named in "
+                             "sink.plugins; `tracejudge sink KIND --help` describes that sink and its "
+                             "sink.KIND: settings")
     add_runtime_arguments(
-        parser, config_help="YAML configuration file (its sink: section)",
+        parser, command="sink", config_help="YAML configuration file (its sink: section)",
         group=("sink.group_id", "consumer group (sink.group_id, default tracejudge-sink-KIND)"),
         results=("sink.results_topic",
                  "the results topic to read (sink.results_topic, default stream.results_topic)"),
         dead_letters=("sink.dead_letter_topic",
                       "route records that are not results here (sink.dead_letter_topic)"))
+
+
+class _SinkKind(argparse.Action):
+    """Stores KIND and makes the help the chosen sink's: argparse takes the positional before a later
+    `--help`, so `tracejudge sink mlflow --help` describes the MLflow sink and its `sink.mlflow:` keys."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        description = sink_help(values)
+        if description is not None:
+            parser.description, parser.epilog = description
+
+
+def sink_help(kind: str) -> tuple[str, str] | None:
+    """(what the built-in sink `kind` does, its settings section and keys) for `--help`, read off the
+    sink's module docstring and settings class so the help cannot drift from them; None for a kind
+    that is not built in (a plugin's class is named in the configuration, unread at `--help`)."""
+    spec = BUILTIN_SINKS.get(kind)
+    if spec is None:
+        return None
+    module_name, _, attr = spec.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except ImportError as exc:
+        return f"the {kind} sink (not available here: {exc})", ""
+    doc = sys.modules[cls.__module__].__doc__ or ""
+    summary = " ".join(doc.strip().split("\n\n", 1)[0].split())
+    settings_type = sink_settings_type(cls)
+    keys = []
+    if settings_type is not None and dataclasses.is_dataclass(settings_type):
+        for f in dataclasses.fields(settings_type):
+            shown = f.default if f.default is not dataclasses.MISSING else None
+            if isinstance(shown, bool):
+                shown = "true" if shown else "false"  # as written in the YAML file
+            keys.append(f.name if shown is None else f"{f.name} (default {shown})")
+    settings = (f"Settings: the sink.{kind}: section of --config: {', '.join(keys)}. "
+                if keys else f"Settings: the sink.{kind}: section of --config. ")
+    epilog = (settings + "It reads sink.results_topic (default stream.results_topic) as its own consumer "
+              f"group (sink.group_id, default tracejudge-sink-{kind}); see the README, "
+              "\"Writing verdicts back\".")
+    return summary or f"the {kind} sink", epilog
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -724,13 +772,15 @@ def main(args: argparse.Namespace) -> int:
     fails, 2 on bad configuration (reported before anything connects)."""
     kind = args.kind
     try:
-        settings = settings_from_args(args)
+        # The sink's own default metrics port unless http.port was given (`cli_args.METRICS_PORTS`).
+        settings = with_command_port(settings_from_args(args), "sink")
         plan = plan_sink(settings, kind)
         cls = load_sink_class(plan, settings)
+        own: Any = None  # the sink's validated section, shown by its own `redacted()` (secrets masked)
         if getattr(args, "check_config", False):
             settings_type = sink_settings_type(cls)
             if settings_type is not None:
-                settings_type.from_mapping(plan.section, f"sink.{kind}")
+                own = settings_type.from_mapping(plan.section, f"sink.{kind}")
     except ConfigError as exc:
         print(f"tracejudge sink: {exc.report()}", file=sys.stderr)
         return 2
@@ -744,6 +794,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"sink.results_topic (effective) = {json.dumps(plan.results_topic)}")
         reads_sessions = plan.session_results_topic if getattr(cls, "accepts_sessions", False) else None
         print(f"sink.session_results_topic (effective) = {json.dumps(reads_sessions)}")
+        if callable(getattr(own, "redacted", None)):
+            print(f"sink.{kind} (effective) = {json.dumps(own.redacted())}")
         return 0
     try:
         registry = CollectorRegistry(auto_describe=True)
@@ -758,8 +810,8 @@ def main(args: argparse.Namespace) -> int:
         log.error("the %s sink's configuration cannot work (above); exiting with status 2", kind)
         return 2
     except Exception:  # a failed write, logged where it failed
-        log.error("the %s sink stopped on an error; exiting with status 1", kind)
-        return 1
+        log.error("the %s sink stopped on an error; exiting with status %d", kind, SERVICE_FAILED)
+        return SERVICE_FAILED
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ write the broker can never accept (too large) is not retried forever: a result b
 Dead letters carry the original key, value and headers, plus headers naming why and where from:
 
     tracejudge-reason             invalid_json | too_large | ... (the `reason` label)
-    tracejudge-error              the human-readable error (field path and position), <= 2000 chars
+    tracejudge-error              the human-readable error (field path and position, the bad value's
+                                  type, never its content), <= 2000 chars
     tracejudge-source-topic       topic, partition, offset and timestamp of the original record
     tracejudge-source-partition
     tracejudge-source-offset
@@ -32,6 +33,8 @@ from kafka.errors import MessageSizeTooLargeError, RecordListTooLargeError
 
 from tracejudge.consumer.offsets import Releasable
 from tracejudge.metrics.prometheus import PrometheusExporter
+from tracejudge.metrics.redaction import Redactor
+from tracejudge.schemas.errors import exception_text
 from tracejudge.schemas.result import EvaluationResult, SourceRef, session_key
 
 __all__ = [
@@ -154,6 +157,18 @@ class Publisher:
         self.producer.flush(timeout=timeout)
 
 
+# The built-in detectors (no metrics: nothing here goes to a judge), shared: a Redactor is thread-safe.
+_ERROR_REDACTOR = Redactor()
+
+
+def _scrubbed(error: str) -> str:
+    """A dead letter's error as its header and log line show it. The messages that name a record's
+    bad value give its type, never its content (`schemas.errors.describe_value`); this catches what
+    slipped through anyway (an exception's message from a library): e-mail addresses, card, phone,
+    IBAN and social security numbers, IP addresses and keys become placeholders (`<EMAIL_1>`)."""
+    return _ERROR_REDACTOR.session().text(error)
+
+
 class DeadLetterSink:
     """Routes rejected records to the dead-letter topic, or only logs and counts them without one."""
 
@@ -179,6 +194,7 @@ class DeadLetterSink:
             if not routed:
                 self.metrics.dead_letters_unrouted.labels(reason).inc()
         where = f"{source.topic}[{source.partition}]@{source.offset}"
+        error = _scrubbed(error)
         if not routed:
             self._log.warning(f"dead letter ({reason})", "dead letter %s (%s): %s; no dead-letter topic "
                               "configured, record dropped", where, reason, error)
@@ -266,7 +282,7 @@ class ResultSink:
         except Exception as exc:  # what custom code put in a record: never hold the offset back for it
             log.exception("writing the result of %s[%s]@%s failed", src.topic, src.partition, src.offset)
             self.dead_letters.send(source=src, reason=RESULT_REJECTED, ticket=ticket, value=None,
-                                   error=f"result could not be written: {type(exc).__name__}: {exc}",
+                                   error=f"result could not be written: {exception_text(exc)}",
                                    count_record=False)
             return
         self._send(value, key_bytes, headers, src, ticket, attempt=0)

@@ -68,7 +68,7 @@ from tracejudge.consumer.sinks import PROCESSING_ERROR, DeadLetterSink, Publishe
 from tracejudge.metrics.computed import RATIO_METRICS
 from tracejudge.metrics.prometheus import PrometheusExporter
 from tracejudge.schemas import errors, otlp, otlp_logs
-from tracejudge.schemas.errors import RecordError
+from tracejudge.schemas.errors import RecordError, exception_text
 from tracejudge.schemas.record import EvalRecord
 from tracejudge.schemas.result import Assessment, EvaluationResult, SourceRef
 
@@ -182,7 +182,7 @@ class RecordProcessor:
             log.exception("unexpected error processing %s[%s]@%s", record.topic, record.partition,
                           record.offset)
             if not handed_off:
-                self._dead_letter(record, source, PROCESSING_ERROR, f"{type(exc).__name__}: {exc}", ticket)
+                self._dead_letter(record, source, PROCESSING_ERROR, exception_text(exc), ticket)
         finally:
             if not queued:  # a worker's record is observed with the worker's time
                 self._observe(time.perf_counter() - started)
@@ -207,7 +207,7 @@ class RecordProcessor:
             log.exception("finishing %s[%s]@%s failed", source.topic, source.partition, source.offset)
             if not export.released:
                 self.dead_letters.send(source=source, reason=PROCESSING_ERROR, ticket=export,
-                                       error=f"{type(exc).__name__}: {exc}", value=record.value,
+                                       error=exception_text(exc), value=record.value,
                                        key=record.key, headers=record.headers, timestamp_ms=record.timestamp)
 
     def _finish_decoded(self, item: tuple[Any, SourceRef, _Export, str | None], decoded: Decoded) -> None:
@@ -257,7 +257,7 @@ class RecordProcessor:
         except Exception as exc:
             log.exception("evaluating %s[%s]@%s failed", source.topic, source.partition, source.offset)
             self.dead_letters.send(source=source, reason=PROCESSING_ERROR, ticket=self.exports.start(ticket),
-                                   error=f"{type(exc).__name__}: {exc}", value=None, count_record=count)
+                                   error=exception_text(exc), value=None, count_record=count)
             return
         export = self.exports.start(ticket)
         try:
@@ -266,7 +266,7 @@ class RecordProcessor:
             log.exception("finishing %s[%s]@%s failed", source.topic, source.partition, source.offset)
             if not export.released:
                 self.dead_letters.send(source=source, reason=PROCESSING_ERROR, ticket=export, value=None,
-                                       error=f"{type(exc).__name__}: {exc}", count_record=count)
+                                       error=exception_text(exc), count_record=count)
 
     def _judge_and_finish(self, result: EvaluationResult, export: _Export, count: bool) -> None:
         if self.judge is None:
@@ -320,7 +320,7 @@ class RecordProcessor:
         except Exception as exc:
             log.exception("deriving assembled trace %s failed", trace.trace.trace_id)
             self.dead_letters.send(source=source, reason=PROCESSING_ERROR, value=None,
-                                   error=f"{type(exc).__name__}: {exc}", ticket=self.exports.start(trace),
+                                   error=exception_text(exc), ticket=self.exports.start(trace),
                                    count_record=False)
             return
         self.emit(record, source, trace, count=False)
@@ -619,7 +619,7 @@ def _size_decode_workers(settings: Settings, handlers: Mapping[str, FormatHandle
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `tracejudge run`; each overrides its configuration key."""
     add_runtime_arguments(
-        parser, config_help="YAML configuration file",
+        parser, command="run", config_help="YAML configuration file",
         group=("kafka.group_id", "consumer group (kafka.group_id)"),
         results=("stream.results_topic", "publish one JSON result per record here (stream.results_topic)"),
         dead_letters=("stream.dead_letter_topic",

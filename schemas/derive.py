@@ -25,7 +25,17 @@ import msgspec
 import orjson
 
 from tracejudge.schemas.conventions import MLFLOW_TRACE_COST, span_cost, span_model, stated_cost_parts
-from tracejudge.schemas.record import Cost, EvalRecord, ToolCall
+from tracejudge.schemas.record import (
+    END_BEFORE_START,
+    NEGATIVE_DURATION,
+    NEGATIVE_TOKENS,
+    NON_FINITE,
+    PARENT_CYCLE,
+    Cost,
+    EvalRecord,
+    ToolCall,
+    add_warning,
+)
 from tracejudge.schemas.trace import Document, Span, SpanKind, SpanStatus, TokenUsage, Trace
 
 __all__ = [
@@ -33,12 +43,15 @@ __all__ = [
     "derive",
     "derived_record",
     "documents_from_output",
+    "has_negative_tokens",
+    "has_parent_cycle",
     "json_text",
     "merge",
     "model_calls",
     "model_usage_and_cost",
     "request_text",
     "response_text",
+    "stated_latency",
     "sum_token_usage",
     "top_level_retrievers",
     "usage_spans",
@@ -753,6 +766,58 @@ def _end(span: Span) -> int:
     return span.end_ns if span.end_ns is not None else span.start_ns
 
 
+_INF = math.inf
+
+
+def stated_latency(duration_ms: float | None) -> tuple[float | None, str | None]:
+    """A stated duration in milliseconds as latency in seconds, or None and the reason it was set
+    aside (`NEGATIVE_DURATION`, `NON_FINITE`): time only moves forward, so no percentile or
+    histogram may see it. (None, None) when nothing was stated."""
+    if duration_ms is None:
+        return None, None
+    if 0 <= duration_ms < _INF:
+        return duration_ms / 1000.0, None
+    return None, NEGATIVE_DURATION if -_INF < duration_ms < 0 else NON_FINITE
+
+
+def _latency(trace: Trace, root: Span | None) -> tuple[float | None, str | None]:
+    """The duration the source states (MLflow's `execution_duration`, what its UI shows) wins over
+    the root span's own timing, which is the fallback (OTLP states none). A root span that ends
+    before it starts gives no latency, and says so."""
+    if trace.duration_ms is not None:
+        return stated_latency(trace.duration_ms)
+    if root is None or root.end_ns is None:
+        return None, None
+    if root.end_ns >= root.start_ns:
+        return (root.end_ns - root.start_ns) / 1e9, None
+    return None, END_BEFORE_START
+
+
+def has_parent_cycle(spans: Iterable[T], span_id: Callable[[T], Any], parent_id: Callable[[T], Any]) -> bool:
+    """Whether some span's chain of parents comes back on itself (a -> b -> a, or a span that is its
+    own parent). Such a trace has no root, so its request, response and latency cannot be read: the
+    record names the cycle rather than leaving those null without a reason. Spans of any shape (the
+    MLflow wire reader's too); a parent no span has ends a chain. Each span is visited once."""
+    parents = {span_id(s): parent_id(s) for s in spans}
+    done: set[Any] = set()
+    for start in parents:
+        path: set[Any] = set()
+        node = start
+        while node is not None and node not in done:
+            if node in path:
+                return True
+            path.add(node)
+            node = parents.get(node)
+        done |= path
+    return False
+
+
+def has_negative_tokens(tokens: TokenUsage) -> bool:
+    """A token count below zero: the usage is set aside (`NEGATIVE_TOKENS`) rather than summed."""
+    inp, out, total = tokens.input, tokens.output, tokens.total
+    return (inp is not None and inp < 0) or (out is not None and out < 0) or (total is not None and total < 0)
+
+
 def derive(trace: Trace) -> EvalRecord:
     """Everything the trace lets us derive about the request it recorded."""
     spans = trace.spans
@@ -783,26 +848,32 @@ def derive(trace: Trace) -> EvalRecord:
     calls = model_calls(counted) if counted else None
     if calls and trace.token_usage is not None:
         calls = one_model_calls(calls, tokens)
-    return derived_record(trace, root_span(spans), retrieved, trajectory, tokens, spans, calls)
+    root = root_span(spans)
+    cycle = root is None and bool(spans) and has_parent_cycle(spans, _span_id, _parent_id)
+    return derived_record(trace, root, retrieved, trajectory, tokens, spans, calls, cycle=cycle)
 
 
 def derived_record(trace: Trace, root: Span | None, retrieved: list[Document] | None,
                    trajectory: list[ToolCall], tokens: TokenUsage | None,
-                   spans: list[Span] | None = None, calls: list[ModelCall] | None = None) -> EvalRecord:
+                   spans: list[Span] | None = None, calls: list[ModelCall] | None = None, *,
+                   cycle: bool = False) -> EvalRecord:
     """The record of `trace` once its spans are read: its root span (the first without a parent),
     the documents of its top-level retrievers in start order (None when it has no retriever), its
     tool calls in start order, its token usage and the model calls whose usage counts (`calls`:
     `model_calls(usage_spans(...))`, for the per-model usage and the cost they state). `derive()`
     reads them from `trace.spans`; the msgspec reader of MLflow JSON
     (`tracejudge.schemas.mlflow_wire`) gathers them while it reads the spans, without building the
-    others, and only `trace`'s other fields are read here."""
-    # The duration the source states (MLflow's `execution_duration`, what its UI shows) wins over
-    # the root span's own timing, which is the fallback (OTLP states none).
-    latency: float | None = None
-    if trace.duration_ms is not None:
-        latency = trace.duration_ms / 1000.0
-    elif root is not None and root.end_ns is not None and root.end_ns >= root.start_ns:
-        latency = (root.end_ns - root.start_ns) / 1e9
+    others, and only `trace`'s other fields are read here. `cycle`: the spans' parents loop
+    (`has_parent_cycle`), named in the record's warnings.
+
+    What time or counts cannot be (a negative or non-finite duration, a root ending before it
+    starts, a negative token count) is None and named in `EvalRecord.warnings`."""
+    latency, anomaly = _latency(trace, root)
+    if tokens is not None and has_negative_tokens(tokens):
+        tokens = None
+        anomaly_tokens = True
+    else:
+        anomaly_tokens = False
 
     timestamp: float | None = None
     if trace.request_time_ms is not None:
@@ -838,6 +909,12 @@ def derived_record(trace: Trace, root: Span | None, retrieved: list[Document] | 
         user_id=trace.user_id,
         human_labels=trace.human_labels,
     )
+    if anomaly is not None:
+        add_warning(record, anomaly)
+    if anomaly_tokens:
+        add_warning(record, NEGATIVE_TOKENS)
+    if cycle:
+        add_warning(record, PARENT_CYCLE)
     if calls:
         record.model_usage, record.cost = model_usage_and_cost(calls)
     if record.cost is None and MLFLOW_TRACE_COST in trace.metadata:
@@ -860,6 +937,10 @@ def merge(stated: EvalRecord, derived: EvalRecord) -> EvalRecord:
         elif name == "source_format":
             updates[name] = (stated.source_format if stated.source_format != "unknown"
                              else derived.source_format)
+        elif name == "warnings":
+            if derived.warnings:  # both sides' reasons, each once
+                updates[name] = [*(stated.warnings or ()),
+                                 *(w for w in derived.warnings if w not in (stated.warnings or ()))]
         elif getattr(stated, name) is None:
             updates[name] = getattr(derived, name)
     return msgspec.structs.replace(stated, **updates)

@@ -31,13 +31,21 @@ from tracejudge.schemas.mlflow import is_mlflow_trace, parse_trace
 from tracejudge.schemas.mlflow_wire import derive_canonical_json
 from tracejudge.schemas.record import EvalRecord, python_json, with_valid_text
 
-__all__ = ["FORMATS", "SPAN_FORMATS", "decode", "detect", "normalise"]
+__all__ = ["BINARY_FORMATS", "FORMATS", "INPUT_FORMATS", "OTLP_JSON_FORMATS", "SPAN_FORMATS", "decode",
+           "detect", "normalise"]
 
 # Single-record formats this module normalises ("auto" detects one of the others per record).
 FORMATS: Final = frozenset({"auto", "agent_eval", "mlflow", "inference_log"})
 _PARSER_BUGS = (ValueError, TypeError, KeyError, AttributeError, IndexError, OverflowError, RecursionError)
 # Span formats: records are spans of many traces, assembled elsewhere.
 SPAN_FORMATS: Final = frozenset({"otlp_proto", "otlp_json"})
+# What `--format` of `tracejudge eval`/`calibrate` names: every format a topic may have
+# (`stream.topics[].format`). The JSON ones are read from JSON Lines files (OTLP/JSON lines through trace
+# assembly); protobuf is binary, one message per Kafka record, and has no line form (`BINARY_FORMATS`).
+INPUT_FORMATS: Final = ("auto", "agent_eval", "mlflow", "inference_log", "otlp_json", "otlp_logs_json",
+                        "otlp_proto", "otlp_logs_proto")
+BINARY_FORMATS: Final = frozenset({"otlp_proto", "otlp_logs_proto"})
+OTLP_JSON_FORMATS: Final = frozenset({"otlp_json", "otlp_logs_json"})
 
 
 def decode(payload: bytes | str | Mapping[str, Any]) -> Mapping[str, Any]:
@@ -70,7 +78,7 @@ def _decode_slow(payload: bytes | bytearray | memoryview | str, exc: orjson.JSON
         return python_json(text)
     except (ValueError, RecursionError):
         pass
-    raise RecordError(errors.INVALID_JSON, f"{exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    raise RecordError(errors.INVALID_JSON, errors.not_json(exc)) from None
 
 
 _KINDS = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
@@ -147,4 +155,4 @@ def _normalise(payload: bytes | str | Mapping[str, Any], fmt: str, app_tag: str 
 def _bug(exc: BaseException) -> RecordError:
     # A parser bug must not take the stream down: the record is dead-lettered with the cause.
     return RecordError(errors.INVALID_RECORD, f"could not normalise the record: "
-                       f"{type(exc).__name__}: {str(exc)[:160]}")
+                       f"{errors.exception_text(exc, 160)}")

@@ -18,12 +18,19 @@ import orjson
 
 from tracejudge.schemas import errors
 from tracejudge.schemas.conventions import identity
-from tracejudge.schemas.derive import derive, merge, request_text, response_text
+from tracejudge.schemas.derive import (
+    derive,
+    has_negative_tokens,
+    merge,
+    request_text,
+    response_text,
+    stated_latency,
+)
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.inputs import InferenceLogRow, ValidationError, describe, time_ms
 from tracejudge.schemas.mlflow import parse_trace, tagged_identity
 from tracejudge.schemas.mlflow_wire import parse_trace_json
-from tracejudge.schemas.record import EvalRecord, python_json
+from tracejudge.schemas.record import NEGATIVE_TOKENS, EvalRecord, add_warning, python_json
 from tracejudge.schemas.trace import TokenUsage
 
 __all__ = ["is_inference_log_row", "normalise_row"]
@@ -121,6 +128,8 @@ def normalise_row(obj: Mapping[str, Any], *, app_tag: str | None = None,
     duration_ms = row.execution_duration_ms
     if duration_ms is None:
         duration_ms = row.execution_time_ms
+    # A negative or non-finite duration is no latency, and the record says why.
+    latency, anomaly = stated_latency(duration_ms)
     when = row.request_time if row.request_time is not None else row.timestamp_ms
     endpoint = row.request_metadata.endpoint_name if row.request_metadata is not None else None
 
@@ -155,7 +164,7 @@ def normalise_row(obj: Mapping[str, Any], *, app_tag: str | None = None,
         source_format="inference_log",
         request=request_text(_without_serving_keys(request_body)),
         response=answer,
-        latency_seconds=None if duration_ms is None else duration_ms / 1000.0,
+        latency_seconds=latency,
         failed=failed,
         error=error,
         tokens=_usage(response_body),
@@ -163,6 +172,11 @@ def normalise_row(obj: Mapping[str, Any], *, app_tag: str | None = None,
         session_id=identity(row.session_id),
         user_id=identity(row.user_id),
     )
+    if anomaly is not None:
+        add_warning(stated, anomaly)
+    if stated.tokens is not None and has_negative_tokens(stated.tokens):
+        stated.tokens = None
+        add_warning(stated, NEGATIVE_TOKENS)
     if stated.tokens is not None:
         # The model that answered, as the response body names it, else the served entity: the
         # record's per-model usage (tracejudge.metrics.cost prices it).

@@ -22,8 +22,9 @@ import math
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-import orjson
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError
+
+from tracejudge.schemas.errors import describe_value
 
 __all__ = [
     "AgentEvalRecord",
@@ -40,14 +41,9 @@ __all__ = [
 
 
 def brief(value: Any, limit: int = 60) -> str:
-    """A short rendering of a bad value for an error message (never the whole payload)."""
-    if isinstance(value, float) and value != value:
-        return "NaN"
-    try:
-        text = orjson.dumps(value, default=repr).decode()
-    except (TypeError, orjson.JSONEncodeError):
-        text = repr(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    """A bad value as an error message names it: its type and size, never its content (a record's
+    field may hold personal data; see `errors.describe_value`). `limit` is kept for callers."""
+    return describe_value(value)
 
 
 def as_int(value: Any) -> int:
@@ -106,6 +102,11 @@ def _optional_int(value: Any) -> int | None:
     return None if value is None else as_int(value)
 
 
+def _duration(value: Any) -> int | float | None:
+    # A NaN or Infinity duration is kept: derivation reads it as no latency and names why.
+    return value if type(value) is float and not math.isfinite(value) else _optional_int(value)
+
+
 def time_ms(value: Any) -> int:
     """Epoch milliseconds from an RFC 3339 time (naive means UTC) or an integer of milliseconds."""
     if type(value) is str:
@@ -159,6 +160,7 @@ def _identity(value: Any) -> str | None:
 Identity = Annotated[str | None, BeforeValidator(_identity)]
 Int = Annotated[int, BeforeValidator(_int)]
 OptionalInt = Annotated[int | None, BeforeValidator(_optional_int)]
+Duration = Annotated[int | float | None, BeforeValidator(_duration)]
 Time = Annotated[Any, BeforeValidator(_time)]
 SpanId = Annotated[str, BeforeValidator(_span_id)]
 OptionalSpanId = Annotated[str | None, BeforeValidator(_optional_span_id)]
@@ -213,7 +215,7 @@ class TraceInfoV3(_Model):
     trace_location: TraceLocation | None = None
     # RFC 3339 ("2026-11-22T00:24:04.847Z") in JSON; epoch milliseconds from some writers.
     request_time: Time = None
-    execution_duration_ms: OptionalInt = None
+    execution_duration_ms: Duration = None
     # The REST wire form: a proto Duration ("0.026s").
     execution_duration: str | None = None
     state: str | None = None
@@ -267,7 +269,7 @@ class TraceInfoV2(_Model):
     request_id: str
     experiment_id: str | None = None
     timestamp_ms: OptionalInt = None
-    execution_time_ms: OptionalInt = None
+    execution_time_ms: Duration = None
     # "OK" / "ERROR" / "IN_PROGRESS" / "TRACE_STATUS_UNSPECIFIED"
     status: str | None = None
     request_metadata: dict[str, Any] | None = None
@@ -421,8 +423,8 @@ class InferenceLogRow(_Model):
     request_time: Time = None
     timestamp_ms: OptionalInt = None
     status_code: OptionalInt = None
-    execution_duration_ms: OptionalInt = None
-    execution_time_ms: OptionalInt = None
+    execution_duration_ms: Duration = None
+    execution_time_ms: Duration = None
     served_entity_id: str | None = None
     request_metadata: RequestMetadata | None = None
     request: Annotated[Any, _checked(str, dict, list, what="a JSON string or an object")] = None

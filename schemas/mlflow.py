@@ -21,6 +21,7 @@ Version differences handled (see notes in the README):
 
 from __future__ import annotations
 
+import math
 from binascii import a2b_base64 as _a2b_base64
 from collections.abc import Mapping
 from typing import Any
@@ -271,8 +272,11 @@ def _str_map(value: dict[str, Any] | None) -> dict[str, str]:
 
 def _duration_ms(value: Any, wire: str | None) -> float | None:
     """`execution_duration_ms` (or 2.x `execution_time_ms`), else `execution_duration`, the REST
-    wire form (a proto Duration: "0.026s")."""
+    wire form (a proto Duration: "0.026s"). A negative or non-finite duration (the NaN or Infinity a
+    Python producer writes) is kept as stated: derivation sets it aside and names why."""
     if value is not None:
+        if type(value) is float and not math.isfinite(value):
+            return value
         return float(as_int(value))
     if wire is not None and wire.endswith("s"):
         try:
@@ -474,5 +478,6 @@ def explain(obj: Any, field: str, cause: BaseException | None = None) -> RecordE
     except RecursionError:
         return RecordError(errors.INVALID_RECORD, "trace is nested too deeply", field or None)
     # The schema accepts what the walk rejected: a semantic problem such as an unparsable time.
-    detail = str(cause) if cause is not None and str(cause) else "malformed MLflow trace"
+    # A library's own message (float(), fromisoformat(), a KeyError) quotes the record's text: described.
+    detail = errors.unquoted(str(cause)) if cause is not None and str(cause) else "malformed MLflow trace"
     return RecordError(errors.INVALID_RECORD, detail[:200], field or None)

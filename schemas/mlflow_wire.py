@@ -39,6 +39,7 @@ from tracejudge.schemas.derive import (
     derive,
     derived_record,
     documents_from_output,
+    has_parent_cycle,
     one_model_calls,
     usage_walk,
 )
@@ -601,7 +602,9 @@ def derive_canonical_json(payload: bytes | str, *, app_tag: str | None = None,
         counted = [(counted, tokens, None)]
     elif counted:  # the spans stating usage differ, the calls counted may not
         counted = one_model_calls(counted, tokens)
-    return derived_record(trace, root, retrieved, trajectory, tokens, calls=counted or None)
+    # No root (rare): the spans' parents may loop, which the record names as `derive()` does.
+    cycle = root is None and has_parent_cycle(wire.data.spans, _wire_span_id, _wire_parent_id)
+    return derived_record(trace, root, retrieved, trajectory, tokens, calls=counted or None, cycle=cycle)
 
 
 def parse_canonical_json(payload: bytes | str, *, app_tag: str | None = None,
@@ -642,5 +645,5 @@ def parse_trace_json(text: str, *, app_tag: str | None = None, field: str = "",
     try:
         obj = orjson.loads(text)
     except orjson.JSONDecodeError as exc:
-        raise RecordError(errors.INVALID_JSON, str(exc), field or None) from None
+        raise RecordError(errors.INVALID_JSON, errors.not_json(exc), field or None) from None
     return parse_trace(obj, app_tag=app_tag, field=field, everything=False, session_tag=session_tag)

@@ -220,7 +220,7 @@ def decode_json(payload: bytes | str | Mapping[str, Any]) -> list[SpanGroup]:
         try:
             doc = orjson.loads(payload)
         except orjson.JSONDecodeError as exc:
-            raise RecordError(errors.INVALID_JSON, f"not valid JSON: {exc}") from exc
+            raise RecordError(errors.INVALID_JSON, errors.not_json(exc)) from exc
     if not is_otlp_json(doc):
         raise RecordError(errors.INVALID_RECORD, "an OTLP/JSON trace record must be an object with "
                           "'resourceSpans'", "resourceSpans")
@@ -321,8 +321,8 @@ def _json_id(value: Any, size: int, where: str, *, zero_ok: bool = False) -> str
         except (binascii.Error, ValueError):
             raw = b""
         if len(raw) != size:
-            raise RecordError(errors.INVALID_RECORD,
-                              f"expected {2 * size} hex characters, got {value[:40]!r}", where)
+            raise RecordError(errors.INVALID_RECORD, f"expected {2 * size} hex characters, got "
+                              f"{errors.describe_value(value)}", where)
         hex_id = raw.hex()
     if hex_id.count("0") == 2 * size:
         if zero_ok:
@@ -341,8 +341,8 @@ def _json_int(value: Any, where: str) -> int:
             return int(value)
         except ValueError:
             pass
-    raise RecordError(errors.INVALID_RECORD, f"expected an integer (decimal string), got {value!r:.40}",
-                      where)
+    raise RecordError(errors.INVALID_RECORD, f"expected an integer (decimal string), got "
+                      f"{errors.describe_value(value)}", where)
 
 
 def _status_code(value: Any, where: str) -> int:
@@ -352,7 +352,7 @@ def _status_code(value: Any, where: str) -> int:
         return _STATUS_NAMES[value]
     code = _json_int(value, where)
     if code not in (STATUS_UNSET, STATUS_OK, STATUS_ERROR):
-        raise RecordError(errors.INVALID_RECORD, f"unknown status code {code}", where)
+        raise RecordError(errors.INVALID_RECORD, f"unknown status code {errors.describe_value(code)}", where)
     return code
 
 
@@ -379,7 +379,8 @@ def _json_value(value: Any, where: str) -> Any:
             return _json_int(item, where)
         if key in ("boolValue", "bool_value"):
             if not isinstance(item, bool):
-                raise RecordError(errors.INVALID_RECORD, f"expected true/false, got {item!r:.40}", where)
+                raise RecordError(errors.INVALID_RECORD,
+                                  f"expected true/false, got {errors.describe_value(item)}", where)
             return item
         if key in ("doubleValue", "double_value"):
             return _json_double(item, where)
@@ -401,7 +402,7 @@ def _json_double(value: Any, where: str) -> float:
             return float(value)  # also "NaN", "Infinity", "-Infinity": how JSON spells them
         except ValueError:
             pass
-    raise RecordError(errors.INVALID_RECORD, f"expected a number, got {value!r:.40}", where)
+    raise RecordError(errors.INVALID_RECORD, f"expected a number, got {errors.describe_value(value)}", where)
 
 
 # --- both -------------------------------------------------------------------------------------------
@@ -460,7 +461,8 @@ def build_trace(trace_id: str, spans: Sequence[Span], *, source_format: str, app
     if root is not None:
         trace.state = "ERROR" if root.status is SpanStatus.ERROR else "OK"
         trace.request_time_ms = root.start_ns // 1_000_000
-        if root.end_ns is not None:
+        if root.end_ns is not None and root.end_ns >= root.start_ns:
+            # A root ending before it starts states no duration: derivation names it (end_before_start).
             trace.duration_ms = (root.end_ns - root.start_ns) / 1e6
         for key, value in root.attributes.items():
             if key.startswith(_TAG_PREFIX) and isinstance(value, str):

@@ -134,7 +134,7 @@ def decode_json(payload: bytes | str | Mapping[str, Any]) -> list[EventGroup]:
         try:
             doc = orjson.loads(payload)
         except orjson.JSONDecodeError as exc:
-            raise RecordError(errors.INVALID_JSON, f"not valid JSON: {exc}") from exc
+            raise RecordError(errors.INVALID_JSON, errors.not_json(exc)) from exc
     if not is_otlp_logs_json(doc):
         raise RecordError(errors.INVALID_RECORD, "an OTLP/JSON logs record must be an object with "
                           "'resourceLogs'", "resourceLogs")

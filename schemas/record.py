@@ -20,8 +20,20 @@ import msgspec
 
 from tracejudge.schemas.trace import Document, TokenUsage
 
-__all__ = ["Cost", "Document", "EvalRecord", "HumanLabel", "TokenUsage", "ToolCall", "python_json",
-           "with_valid_text"]
+__all__ = ["ANOMALIES", "END_BEFORE_START", "NEGATIVE_DURATION", "NEGATIVE_TOKENS", "NON_FINITE",
+           "PARENT_CYCLE", "Cost", "Document", "EvalRecord", "HumanLabel", "TokenUsage", "ToolCall",
+           "add_warning", "python_json", "with_valid_text"]
+
+# Why a record's value was set aside as impossible (`EvalRecord.warnings`, the `reason` label of
+# `tracejudge_record_anomalies_total`): time only moves forward, and a count is never below zero. The
+# value is then None, as if the source had not stated it, so no percentile or histogram sees it.
+# A closed set: never put free text in a warning.
+NEGATIVE_DURATION = "negative_duration"  # a stated duration below zero
+END_BEFORE_START = "end_before_start"  # the root span ends before it starts
+NON_FINITE = "non_finite"  # a duration that is NaN or infinite (Python producers write both)
+NEGATIVE_TOKENS = "negative_tokens"  # a token count below zero
+PARENT_CYCLE = "parent_cycle"  # the spans' parents loop (a -> b -> a): the trace has no root
+ANOMALIES = (NEGATIVE_DURATION, END_BEFORE_START, NON_FINITE, NEGATIVE_TOKENS, PARENT_CYCLE)
 
 
 class ToolCall(msgspec.Struct, gc=False):
@@ -94,6 +106,18 @@ class EvalRecord(msgspec.Struct):
     # the trace's cost. Schema 4.
     model_usage: dict[str, TokenUsage] | None = None
     cost: Cost | None = None
+    # What the source stated that was set aside as impossible, one of `ANOMALIES` each (the value is
+    # None above): a negative or non-finite duration, a root span ending before it starts, a negative
+    # token count, spans whose parents loop. None when there was nothing to set aside.
+    warnings: list[str] | None = None
+
+
+def add_warning(record: EvalRecord, reason: str) -> None:
+    """Name `reason` (one of `ANOMALIES`) on the record, once."""
+    if record.warnings is None:
+        record.warnings = [reason]
+    elif reason not in record.warnings:
+        record.warnings.append(reason)
 
 
 _CHECK = msgspec.json.Encoder(enc_hook=str)

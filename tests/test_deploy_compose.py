@@ -20,6 +20,7 @@ import httpx
 import pytest
 import yaml
 from support.deploy_files import COMPOSE, DASHBOARDS, ROOT, load_yaml, rule_groups, tool
+from support.mlflow_server import migrated_database
 from support.prometheus_stack import free_port, wait_until
 
 SERVICES = {"kafka", "kafka-init", "otel-collector", "jaeger", "mlflow", "tracejudge", "tracejudge-sessions",
@@ -132,7 +133,7 @@ def test_alert_relay_prints_each_posted_alert() -> None:
             "status": "firing", "labels": {"alertname": "GroundednessDropped", "app": "shop"},
             "annotations": {"summary": "Groundedness pass rate 61% for app shop"}}]}
         response = wait_until(lambda: httpx.post(f"http://127.0.0.1:{port}/alertmanager", json=payload),
-                              10, "the relay to listen")
+                              60, "the relay to listen")
         assert response.status_code == 200
     finally:
         relay.terminate()
@@ -343,6 +344,8 @@ def test_the_compose_mlflow_command_ingests_otlp_and_takes_assessments(tmp_path:
     flags.update({"backend-store-uri": f"sqlite:///{tmp_path}/mlflow.db",
                   "artifacts-destination": str(tmp_path / "artifacts"), "host": "127.0.0.1",
                   "port": str(port)})
+    # An empty database already at this MLflow's schema (the migrations run once per test run).
+    migrated_database(tmp_path / "mlflow.db")
     server = subprocess.Popen([tool("mlflow"), "server", *(f"--{k}={v}" for k, v in flags.items())],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
     base = f"http://127.0.0.1:{port}"

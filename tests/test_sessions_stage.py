@@ -209,7 +209,7 @@ def test_interleaved_sessions_over_three_partitions_close_on_inactivity_in_times
         wait_until(lambda: committed_to(bs, runner.group_id, source, dict(ends)), 30,
                    message="every turn committed once its session is out")
         wait_until(lambda: metric(port, "tracejudge_sessions_open") == 0
-                   and metric(port, "tracejudge_session_turns_held") == 0, 10)
+                   and metric(port, "tracejudge_session_turns_held") == 0, 60)
         letters = read_topic(bs, dlq, at_least=len(bad))
         assert metric(port, "tracejudge_sessions_total", app="helpdesk", status="complete") == len(plan)
         assert metric(port, "tracejudge_session_results_published_total") == len(plan)
@@ -282,14 +282,14 @@ def test_a_published_sessions_turns_are_committed_an_open_ones_are_not_until_a_r
         wait_until(lambda: committed_to(bs, group, source, {0: 2}), 30,
                    message="partition 0 committed up to the open session's turn")
         wait_until(lambda: metric(port, "tracejudge_sessions_open") == 2
-                   and metric(port, "tracejudge_session_turns_held") == 2, 10)
+                   and metric(port, "tracejudge_session_turns_held") == 2, 60)
         assert metric(port, "tracejudge_sessions_closed_early_total", reason="max_turns") == 2
         # The open session's turn comes first on partition 1: nothing there is committed.
-        assert committed_offsets(bs, group, source)[1] in (None, 0)
+        assert committed_offsets(bs, group, source)[1] is None
         assert metric(port, "tracejudge_in_flight_records") == 2
     # Stopped: the open sessions were dropped uncommitted.
     assert committed_offsets(bs, group, source)[0] == 2
-    assert committed_offsets(bs, group, source)[1] in (None, 0)
+    assert committed_offsets(bs, group, source)[1] is None
     assert metric_value(runner, "tracejudge_sessions_dropped_total") == 2
 
     # The next run rebuilds them from their uncommitted turns and closes them.
@@ -348,7 +348,7 @@ def test_past_a_memory_cap_the_least_recently_active_sessions_are_evicted_and_co
     with running(s) as runner:
         port = runner.http_port
         got = with_all_turns(bs, results, {sid: 2 for sid in evicted})
-        wait_until(lambda: metric(port, "tracejudge_session_turns_received_total") == len(lines), 10)
+        wait_until(lambda: metric(port, "tracejudge_session_turns_received_total") == len(lines), 60)
         assert metric(port, "tracejudge_sessions_closed_early_total", reason=cap) == len(evicted)
         assert metric(port, "tracejudge_sessions_open") == 5 - len(evicted)
         assert metric(port, "tracejudge_session_turns_held") == 2 * (5 - len(evicted))

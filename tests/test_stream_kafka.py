@@ -296,7 +296,7 @@ def test_out_of_order_completion_commits_the_lowest_unfinished_offset_and_the_ca
     with running(s, judges=judge) as runner:
         port = runner.http_port
         wait_until(lambda: len(judge.pending) == 5, 60, message="five records in flight")
-        wait_until(lambda: metric(port, "tracejudge_backpressure_pauses_total") >= 1, 10)
+        wait_until(lambda: metric(port, "tracejudge_backpressure_pauses_total") >= 1, 60)
         assert len(judge.pending) == 5  # the cap holds fetching
         assert metric(port, "tracejudge_in_flight_records") == 5
         # Finish all but the first, last first: nothing can be committed past offset 0.
@@ -304,7 +304,7 @@ def test_out_of_order_completion_commits_the_lowest_unfinished_offset_and_the_ca
             judge.finish(f"r{i}")
         wait_until(lambda: metric(port, "tracejudge_results_published_total") == 4, 30)
         wait_until(lambda: len(judge.pending) >= 9, 30, message="room again: fetching resumed")
-        assert committed_offsets(bs, group, topic)[partition] in (None, 0)
+        assert committed_offsets(bs, group, topic)[partition] is None
         judge.finish("r0")
         wait_until(lambda: committed_offsets(bs, group, topic)[partition] == 5, 30)
         for rid in judge.unfinished():

@@ -165,9 +165,9 @@ def _run_unreachable(*run_args: str, log_level: str | None = None) -> tuple[int,
 
 
 @pytest.mark.parametrize("publish", [(), ("--results-topic", "results")], ids=["consumer", "producer"])
-def test_a_broker_that_cannot_be_reached_at_start_is_one_line_then_exit_1(publish):
+def test_a_broker_that_cannot_be_reached_at_start_is_one_line_then_exit_4(publish):
     status, address, stderr = _run_unreachable(*publish)  # with a results topic the producer connects first
-    assert status == 1, stderr
+    assert status == 4, stderr  # SERVICE_FAILED
     records = _records(stderr)
     # kafka-python tried ~5 times in those 2 s, 3-4 lines each: none of them is shown.
     assert not [r for r in records if r["logger"].startswith("kafka")], stderr
@@ -177,7 +177,7 @@ def test_a_broker_that_cannot_be_reached_at_start_is_one_line_then_exit_1(publis
     assert problem["message"] == (
         f"cannot reach Kafka at {address} (kafka.bootstrap_servers): no broker answered within 2 s "
         "(kafka.bootstrap_timeout_ms); last error: KafkaConnectionError: 111 ECONNREFUSED; "
-        "exiting with status 1")
+        "exiting with status 4")
     # Bounded: the start-up summary (its settings on indented lines), a few lines of progress, the error.
     assert len(records) <= 6, stderr
     assert all(_LOG_RECORD.match(line) or line.startswith("  ") for line in stderr.splitlines()), stderr
@@ -185,7 +185,7 @@ def test_a_broker_that_cannot_be_reached_at_start_is_one_line_then_exit_1(publis
 
 def test_with_log_level_debug_kafka_pythons_connection_detail_is_shown_as_debug():
     status, _, stderr = _run_unreachable(log_level="DEBUG")
-    assert status == 1
+    assert status == 4  # SERVICE_FAILED
     records = _records(stderr)
     refused = "Connection failed: KafkaConnectionError: 111 ECONNREFUSED"
     assert any(r["level"] == "DEBUG" and r["logger"] == "kafka.net.manager" and r["message"] == refused

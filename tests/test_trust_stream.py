@@ -128,7 +128,7 @@ def test_labels_on_traces_are_compared_with_the_verdicts_in_the_run_pipeline(bro
     with running(s, handlers={"agent_eval": eval_record_handler}) as runner:
         out = read_topic(broker.bootstrap_servers, s.stream.results_topic, at_least=len(records))
         lines = {line["request_id"]: line for line in (orjson.loads(r.value) for r in out)}
-        wait_until(lambda: gauge(runner, "tracejudge_judge_labels_total", outcome="matched") == 6, 10,
+        wait_until(lambda: gauge(runner, "tracejudge_judge_labels_total", outcome="matched") == 6, 60,
                    message="the six comparable labels are matched")
         expected = {"agree": 0.0, "disagree": 0.0}
         for i, ls in labels.items():
@@ -201,9 +201,9 @@ def test_the_agreement_stage_joins_labels_and_verdicts_and_counts_the_unmatched(
         assert value("tracejudge_judge_labels_total", outcome="unknown_judge") == 1
         assert value("tracejudge_judge_labels_total", outcome="invalid") == 2
         assert value("tracejudge_agreement_records_total", input="results", outcome="invalid") == 1
-        wait_until(lambda: value("tracejudge_judge_labels_total", outcome="unmatched") == 1, 15,
+        wait_until(lambda: value("tracejudge_judge_labels_total", outcome="unmatched") == 1, 60,
                    message="the label without a verdict is counted unmatched once its window ends")
-        wait_until(lambda: value("tracejudge_agreement_pending", side="verdict") == 0, 15,
+        wait_until(lambda: value("tracejudge_agreement_pending", side="verdict") == 0, 60,
                    message="the verdicts' window ends")
         assert value("tracejudge_agreement_pending", side="label") == 0
     finally:

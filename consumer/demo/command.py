@@ -42,6 +42,8 @@ from types import FrameType
 from typing import Any, TextIO
 
 from tracejudge.consumer.demo.agent import APP_TAG
+from tracejudge.consumer.exit_status import SERVICE_FAILED
+from tracejudge.metrics.secrets import redact_url
 
 _log = logging.getLogger(__name__)
 
@@ -80,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "0 picks a free port)")
     parser.add_argument("--bootstrap-servers", metavar="HOST:PORT[,...]",
                         help="use this Kafka instead of starting a local broker")
-    parser.add_argument("--topic", default=DEFAULT_TOPIC,
+    parser.add_argument("--topic", default=DEFAULT_TOPIC, metavar="TOPIC",
                         help=f"the topic the agent's traces go to (default: {DEFAULT_TOPIC})")
     parser.add_argument("--seed", type=int, default=None,
                         help="make the agent's traces reproducible (default: different every run)")
@@ -625,7 +627,8 @@ def main(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 print(f"Session stage: conversations close after {args.session_inactivity:g}s of silence; "
                       f"its metrics: {sessions.metrics_url}", file=out, flush=True)
             if args.mlflow_tracking_uri:
-                print(f"Exporting the agent's traces to MLflow at {args.mlflow_tracking_uri} (experiment "
+                print(f"Exporting the agent's traces to MLflow at {redact_url(args.mlflow_tracking_uri)} "
+                      "(experiment "
                       f"{args.mlflow_experiment_id})", file=out, flush=True)
             print(f"Agent: {args.rate:g} traces/s to topic {args.topic!r}, {_pct(args.ungrounded_share)} "
                   f"ungrounded, {_pct(args.failure_share)} failing, {_pct(args.frustrated_share)} of "
@@ -673,13 +676,13 @@ def main(args: argparse.Namespace, out: TextIO | None = None) -> int:
                       f"{sessions.error}", file=sys.stderr)
             if runner.error is not None or producer.error is not None or (
                     sessions is not None and sessions.error is not None):
-                return 1
+                return SERVICE_FAILED
     except ConfigError as exc:
         print(f"tracejudge demo: {exc.report()}", file=sys.stderr)
         return 2
     except (BrokerUnavailable, DemoUnavailable) as exc:
         print(f"tracejudge demo: {exc}", file=sys.stderr)
-        return 1
+        return SERVICE_FAILED
     finally:
         stop.restore()
     return 0

@@ -30,6 +30,13 @@ after its retry window) is *skipped* by the sink and counted in the report by re
 record cannot hold a partition for ever. Any other exception ends the sink process (non-zero exit,
 nothing committed past the failed batch): a bug must not be mistaken for a skip.
 
+Settings. A sink's class may take a settings type with `from_mapping(section, where)` (validation,
+`ConfigError` naming each bad key) and `redacted()`: the settings as `tracejudge sink <kind>
+--check-config` prints them, the values the sink declares secret (header values, tokens) masked. The
+runtime's own listing shows a sink's section masked (`OPAQUE`: it cannot know which of its values are
+secrets), URLs without credentials or query values. A URL that carries credentials (`user:password@`)
+is refused by the built-in sinks (`tracejudge.metrics.secrets.url_problem`).
+
 Session results. Besides one result per evaluated trace, the session stage (`tracejudge sessions`)
 writes one *session result* per evaluated conversation (`"kind": "session"`, `schemas.session.
 SessionResult`) to `sessions.results_topic`. The runtime reads that topic too (`sink.session_results_topic`,

@@ -109,6 +109,7 @@ from prometheus_client import Counter as PromCounter
 
 from tracejudge.consumer.config import ConfigError
 from tracejudge.consumer.writeback.base import RetryLater, Sink, SinkBatch, SinkRecord, WriteReport
+from tracejudge.metrics.secrets import redact_url, url_problem
 from tracejudge.schemas.session import SessionResult, TurnRef
 
 __all__ = ["SESSION_ID_KEY", "MlflowSink", "MlflowSinkSettings", "feedback_key", "mlflow_trace_id",
@@ -268,6 +269,12 @@ class MlflowSinkSettings:
             return _Bearer(token.strip())
         return None
 
+    def redacted(self) -> dict[str, Any]:
+        """The settings as `--check-config` prints them. Nothing here is a secret (the credentials'
+        variable and file names, never their values); the URI is shown through `redact_url`."""
+        return {"tracking_uri": redact_url(self.tracking_uri),
+                **{f.name: getattr(self, f.name) for f in fields(self) if f.name != "tracking_uri"}}
+
     def auth_key(self, env: Mapping[str, str] | None = None) -> str:
         """The key to blame when the server refuses the credentials."""
         env = os.environ if env is None else env
@@ -319,15 +326,16 @@ def _coerce(value: Any, kind: type) -> Any:
 
 
 def _check_uri(uri: str) -> str | None:
-    parts = urlsplit(uri)
+    """Why `uri` cannot be the tracking URI; the URI is quoted only through `redact_url`."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return f"expected an http(s):// URL of an MLflow tracking server, got {redact_url(uri)!r}"
     if parts.scheme not in ("http", "https") or not parts.netloc:
         hint = " (a Databricks workspace is not supported)" if uri.startswith("databricks") else ""
-        return f"expected an http(s):// URL of an MLflow tracking server, got {uri!r}{hint}"
-    if parts.username or parts.password:
-        return "must not carry credentials: use token_env / token_file / username_env and password_env"
-    if parts.query or parts.fragment:
-        return f"must not have a query or fragment, got {uri!r}"
-    return None
+        return f"expected an http(s):// URL of an MLflow tracking server, got {redact_url(uri)!r}{hint}"
+    return url_problem(uri, query=False,
+                       credentials_go_in="token_env / token_file, or username_env and password_env")
 
 
 class _Bearer(httpx.Auth):

@@ -113,6 +113,7 @@ from prometheus_client import CollectorRegistry, Counter
 from tracejudge import __version__
 from tracejudge.consumer.config import ConfigError
 from tracejudge.consumer.writeback.base import RetryLater, Sink, SinkBatch, SinkRecord, WriteReport
+from tracejudge.metrics.secrets import redact_url, url_problem
 from tracejudge.schemas.session import SessionResult
 
 __all__ = ["EVENT_NAME", "OtlpSink", "OtlpSinkSettings"]
@@ -171,7 +172,8 @@ class OtlpSinkSettings:
 
     def redacted(self) -> dict[str, Any]:
         """The settings as plain values, header values replaced by '**********'."""
-        return {"endpoint": self.endpoint, "headers": dict.fromkeys(sorted(self.headers), "**********"),
+        return {"endpoint": redact_url(self.endpoint),
+                "headers": dict.fromkeys(sorted(self.headers), "**********"),
                 "headers_env": self.headers_env, "emit_spans": self.emit_spans, "timeout_s": self.timeout_s,
                 "compression": self.compression}
 
@@ -222,8 +224,9 @@ class OtlpSinkSettings:
             headers_env = d["headers_env"] or None
             if headers_env is not None and not (isinstance(headers_env, str)
                                                 and _ENV_NAME.match(headers_env)):
-                problems.append((key("headers_env"),
-                                 f"must be an environment variable name, got {headers_env!r}"))
+                # Not quoted: a value here may be the headers themselves (`authorization=Bearer ...`).
+                problems.append((key("headers_env"), "must be the name of an environment variable "
+                                 "(letters, digits and '_') that holds the headers, not the headers"))
                 headers_env = None
         if headers_env and env.get(headers_env):
             try:
@@ -287,23 +290,26 @@ def _header_value(value: Any) -> str:
 
 
 def _endpoint(value: Any) -> str:
+    """The collector's base URL; a bad one is quoted only through `redact_url` (never its credentials
+    or query values)."""
     if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"must be a URL like {DEFAULT_ENDPOINT}, got {value!r}")
+        raise ValueError(f"must be a URL like {DEFAULT_ENDPOINT}, got {type(value).__name__}")
     text = value.strip()
+    shown = redact_url(text)
+    if problem := url_problem(text, credentials_go_in="sink.otlp.headers or headers_env"):
+        raise ValueError(problem)
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"must be an http:// or https:// URL like {DEFAULT_ENDPOINT}, got {text!r}")
-    if parts.username or parts.password:
-        raise ValueError("must not hold credentials: put them in sink.otlp.headers or headers_env")
+        raise ValueError(f"must be an http:// or https:// URL like {DEFAULT_ENDPOINT}, got {shown!r}")
     if parts.query or parts.fragment:
-        raise ValueError(f"must be the collector's base URL, without a query, got {text!r}")
+        raise ValueError(f"must be the collector's base URL, without a query, got {shown!r}")
     try:
         parts.port  # noqa: B018 - raises ValueError for a port out of range
     except ValueError:
-        raise ValueError(f"has an invalid port, got {text!r}") from None
+        raise ValueError(f"has an invalid port, got {shown!r}") from None
     base = text.rstrip("/")
     if base.endswith(("/v1/logs", "/v1/traces")):
-        raise ValueError(f"must be the base URL (/v1/logs and /v1/traces are appended), got {text!r}")
+        raise ValueError(f"must be the base URL (/v1/logs and /v1/traces are appended), got {shown!r}")
     return base
 
 
