@@ -20,9 +20,9 @@ the session judges (`user_frustration`, heuristic without an endpoint), as `trac
     session.metrics["turns"], session.assessment("user_frustration").value
 """
 
-from tracejudge.consumer.evaluator import Evaluator, evaluate, evaluate_session
-from tracejudge.metrics.judge_config import JudgeConfigError
-from tracejudge.metrics.judging import JudgeRunner
+from tracejudge.evaluator import Evaluator, evaluate, evaluate_session
+from tracejudge.metrics.judges.config import JudgeConfigError
+from tracejudge.metrics.judges.runner import JudgeRunner
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.record import Document, EvalRecord, TokenUsage, ToolCall
 from tracejudge.schemas.result import Assessment, EvaluationResult

@@ -4,7 +4,7 @@ Builds N agent traces (4 spans each, OTel GenAI attributes with chat messages) w
 OpenTelemetry SDK, encodes them with the SDK's OTLP encoder into export batches that interleave
 concurrent traces (as the Collector's Kafka exporter writes them), then in the same run measures:
 
-  parse only   decode every message into spans (`tracejudge.schemas.otlp.decode`), nothing kept
+  parse only   decode every message into spans (`tracejudge.schemas.formats.otlp.decode`), nothing kept
   assembly     decode + `TraceAssembler.add` for every message: all N traces open at once
   emit         `poll()` after the quiet period: every trace built and emitted
 
@@ -36,8 +36,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from tracejudge.consumer.assembly import AssemblySettings, TraceAssembler
-from tracejudge.schemas import otlp
+from tracejudge.consumer.stages.assembly import AssemblySettings, TraceAssembler
+from tracejudge.schemas.formats import otlp
 
 
 def rss_bytes() -> int:

@@ -41,10 +41,10 @@ import corpus
 from mlflow.entities import Trace
 from mlflow.genai.utils import trace_utils
 
-from tracejudge.schemas import mlflow as mlflow_parser
-from tracejudge.schemas import mlflow_wire
-from tracejudge.schemas.derive import derive
-from tracejudge.schemas.detect import normalise
+from tracejudge.schemas.formats import mlflow as mlflow_parser
+from tracejudge.schemas.formats import mlflow_wire
+from tracejudge.schemas.formats.derive import derive
+from tracejudge.schemas.formats.detect import normalise
 
 BATCH = 10
 

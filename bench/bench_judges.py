@@ -34,8 +34,8 @@ import httpx
 import orjson
 from prometheus_client import CollectorRegistry
 
-from tracejudge.metrics.judge_client import POOL_SHARD
-from tracejudge.metrics.judging import JudgeRunner
+from tracejudge.metrics.judges.client import POOL_SHARD
+from tracejudge.metrics.judges.runner import JudgeRunner
 from tracejudge.schemas.record import Document, EvalRecord
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

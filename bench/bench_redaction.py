@@ -39,8 +39,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from tracejudge.metrics.judging import JudgeRunner
-from tracejudge.metrics.redaction import Redaction, Redactor
+from tracejudge.metrics.judges.redaction import Redaction, Redactor
+from tracejudge.metrics.judges.runner import JudgeRunner
 from tracejudge.schemas.record import Document, EvalRecord
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -39,13 +39,13 @@ from kafka import KafkaConsumer, KafkaProducer
 from kafka.structs import TopicPartition
 from prometheus_client import CollectorRegistry
 
-from tracejudge.consumer import gc_policy
 from tracejudge.consumer.config import load_settings
 from tracejudge.consumer.demo.broker import LocalBroker
 from tracejudge.consumer.demo.command import create_topic
-from tracejudge.consumer.offsets import OffsetTracker
-from tracejudge.consumer.sessions import Sessionizer, SessionRunner
-from tracejudge.metrics.session_metrics import SessionMetrics
+from tracejudge.consumer.runtime import gc_policy
+from tracejudge.consumer.runtime.offsets import OffsetTracker
+from tracejudge.consumer.stages.sessions import Sessionizer, SessionRunner
+from tracejudge.metrics.telemetry.sessions import SessionMetrics
 from tracejudge.schemas.record import EvalRecord, TokenUsage, ToolCall
 from tracejudge.schemas.result import Assessment, EvaluationResult, SourceRef
 from tracejudge.schemas.session import decode_turn

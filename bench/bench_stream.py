@@ -44,12 +44,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import corpus
 from kafka import KafkaConsumer, KafkaProducer
 
-from tracejudge.consumer import gc_policy
 from tracejudge.consumer.config import load_settings
-from tracejudge.consumer.decode_workers import auto_workers, available_cpus
 from tracejudge.consumer.demo.broker import LocalBroker
-from tracejudge.consumer.stream import StreamRunner
-from tracejudge.metrics.prometheus import PrometheusExporter
+from tracejudge.consumer.runtime import gc_policy
+from tracejudge.consumer.stages.decoding import auto_workers, available_cpus
+from tracejudge.consumer.stages.run import StreamRunner
+from tracejudge.metrics.telemetry.evaluation import PrometheusExporter
 
 GROUP_TIMINGS = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000}
 TOPIC = "bench-traces"

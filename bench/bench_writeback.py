@@ -40,8 +40,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry  # noqa: E402
 from support.mlflow_server import MlflowServer, send_otlp  # noqa: E402
 
-from tracejudge.consumer.writeback.base import SinkBatch, SinkRecord  # noqa: E402
-from tracejudge.consumer.writeback.mlflow import MlflowSink, MlflowSinkSettings  # noqa: E402
+from tracejudge.consumer.sinks.base import SinkBatch, SinkRecord  # noqa: E402
+from tracejudge.consumer.sinks.mlflow import MlflowSink, MlflowSinkSettings  # noqa: E402
 
 JUDGES_PER_TRACE = 4
 BATCH_RECORDS = 500

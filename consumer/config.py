@@ -38,8 +38,8 @@ from pydantic import (
 )
 
 from tracejudge.metrics.computed import MetricsConfig
-from tracejudge.metrics.judge_config import JudgesConfig
-from tracejudge.metrics.secrets import MASK, OPAQUE, SECRET, redact_url, redact_urls, shown
+from tracejudge.metrics.judges.config import JudgesConfig
+from tracejudge.metrics.judges.secrets import MASK, OPAQUE, SECRET, redact_url, redact_urls, shown
 
 __all__ = [
     "ENV_PREFIX",
@@ -332,7 +332,7 @@ class StreamSettings(Section):
     # Records fetched and not yet exported; past it fetching pauses (memory stays bounded).
     max_in_flight: int = Field(default=2_000, gt=0)
     # Processes that decode and score MLflow / agent-evaluation / inference-log records beside the
-    # consumer (consumer/decode_workers.py); 0 decodes on the poll thread. "auto": one when the
+    # consumer (consumer/stages/decoding.py); 0 decodes on the poll thread. "auto": one when the
     # process may use two CPUs or more (affinity and cgroup quota) and a topic can use it, else 0.
     decode_workers: int | Literal["auto"] = "auto"
     # Larger records are dead-lettered (reason too_large) without being parsed.
@@ -435,7 +435,7 @@ class LoggingSettings(Section):
 
 class AssemblySection(Section):
     """`otlp.assembly`: how OTLP spans are held until their trace is whole
-    (`tracejudge.consumer.assembly.AssemblySettings`)."""
+    (`tracejudge.consumer.stages.assembly.AssemblySettings`)."""
 
     # Emit a trace this long after its last span arrived, once its root span is in.
     quiet_period_s: float = Field(default=5.0, gt=0)
@@ -452,7 +452,7 @@ class AssemblySection(Section):
         return self
 
     def to_settings(self) -> Any:
-        from tracejudge.consumer.assembly import AssemblySettings
+        from tracejudge.consumer.stages.assembly import AssemblySettings
 
         return AssemblySettings(**self.model_dump())
 
@@ -462,8 +462,8 @@ class OtlpSettings(Section):
 
 
 # The sinks shipped with tracejudge; `tracejudge sink <kind>` imports the class only when it is chosen.
-BUILTIN_SINKS = {"mlflow": "tracejudge.consumer.writeback.mlflow:MlflowSink",
-                 "otlp": "tracejudge.consumer.writeback.otlp:OtlpSink"}
+BUILTIN_SINKS = {"mlflow": "tracejudge.consumer.sinks.mlflow:MlflowSink",
+                 "otlp": "tracejudge.consumer.sinks.otlp:OtlpSink"}
 _SINK_KIND = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 _CLASS_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
@@ -492,7 +492,7 @@ class SinkSettings(Section):
     checkpoint_interval_ms: int = Field(default=1_000, ge=0)
     # Cap of the exponential back-off between offers of a batch the sink asked to retry (`RetryLater`).
     max_retry_backoff_s: float = Field(default=60.0, gt=0)
-    # More sinks: kind -> "package.module:Class", a `tracejudge.consumer.writeback.base.Sink`.
+    # More sinks: kind -> "package.module:Class", a `tracejudge.consumer.sinks.base.Sink`.
     plugins: dict[str, str] = Field(default_factory=dict)
     # The built-in sinks' sections, validated by their sinks (`from_mapping`): opaque here.
     mlflow: Annotated[dict[str, Any] | None, OPAQUE] = None
@@ -537,7 +537,7 @@ class SinkSettings(Section):
 
 
 class SessionsSettings(Section):
-    """`tracejudge sessions`: the session stage (`consumer/sessions.py`). It reads the trace results
+    """`tracejudge sessions`: the session stage (`consumer/stages/sessions.py`). It reads the trace results
     (`input_topic`, default `stream.results_topic`), gathers the turns of each session, and writes one
     session result per closed session to `results_topic` (required for the stage)."""
 
@@ -566,7 +566,7 @@ class SessionsSettings(Section):
 
 
 class AgreementSettings(Section):
-    """`tracejudge agreement`: the online-agreement stage (`consumer/agreement.py`). It reads the trace
+    """`tracejudge agreement`: the online-agreement stage (`consumer/stages/agreement.py`). It reads the trace
     results (`results_topic`, default `stream.results_topic`) and the human labels (`labels_topic`,
     required for the stage) and joins them by trace id / request id within `window_s`."""
 
@@ -599,14 +599,14 @@ class Settings(Section):
     sessions: SessionsSettings = Field(default_factory=SessionsSettings)
     # Computed-metric options and custom metric functions (tracejudge.metrics.computed).
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
-    # LLM / heuristic judges (tracejudge.metrics.judge_config); no section: no judges run.
+    # LLM / heuristic judges (tracejudge.metrics.judges.config); no section: no judges run.
     judges: JudgesConfig | None = None
     # `tracejudge agreement` (human labels joined with the judges' verdicts).
     agreement: AgreementSettings = Field(default_factory=AgreementSettings)
 
     def redacted(self) -> dict[str, Any]:
         """Effective settings as flat `section.key -> value`, by each field's declared secrecy
-        (`tracejudge.metrics.secrets`): a `SecretStr` or `SECRET` field (each value of a `SECRET`
+        (`tracejudge.metrics.judges.secrets`): a `SecretStr` or `SECRET` field (each value of a `SECRET`
         mapping) is '**********', an `OPAQUE` section (a sink's own, validated by the sink) shows its
         strings as '**********', and every URL is shown without its credentials or query values.
         Nothing is hidden or shown because of what a key is called."""

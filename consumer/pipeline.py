@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from tracejudge.metrics.computed import ComputedMetrics, MetricLoadError
 from tracejudge.metrics.cost import COST_ERROR_KEY, PriceTable, trace_cost
-from tracejudge.schemas.detect import normalise
+from tracejudge.schemas.formats.detect import normalise
 from tracejudge.schemas.record import EvalRecord
 from tracejudge.schemas.result import EvaluationResult, SourceRef
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from tracejudge.consumer.config import Settings
-    from tracejudge.metrics.judging import JudgeRunner
+    from tracejudge.metrics.judges.runner import JudgeRunner
 
 
 class Pipeline:
@@ -78,8 +78,8 @@ def build_judges(settings: Settings, registry: CollectorRegistry | None = None,
     if settings.judges is None:
         return None
     from tracejudge.consumer.config import ConfigError
-    from tracejudge.metrics.judge_config import JudgeConfigError
-    from tracejudge.metrics.judging import JudgeRunner
+    from tracejudge.metrics.judges.config import JudgeConfigError
+    from tracejudge.metrics.judges.runner import JudgeRunner
 
     try:
         return JudgeRunner(settings.judges, registry=registry, app_label=app_label)

@@ -4,7 +4,7 @@ A trace's cost is taken, in this order:
 
 1. **stated**: what the trace says it cost: the model-call spans' `mlflow.llm.cost` (or
    OpenInference's `llm.cost.*`, `gen_ai.usage.cost`) when every counted call states one, else
-   MLflow's trace-level `mlflow.trace.cost` (read by `tracejudge.schemas.derive`);
+   MLflow's trace-level `mlflow.trace.cost` (read by `tracejudge.schemas.formats.derive`);
 2. **priced**: the record's per-model token usage (`EvalRecord.model_usage`) x each model's price;
 3. **unknown**: otherwise. A model the price table does not know is never guessed at, and usage no
    model call names (a model call without a model attribute) makes the whole trace unknown rather
@@ -42,7 +42,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from tracejudge.schemas.record import Cost, EvalRecord, TokenUsage
 
 if TYPE_CHECKING:
-    from tracejudge.metrics.judge_config import EndpointConfig
+    from tracejudge.metrics.judges.config import EndpointConfig
 
 __all__ = [
     "COST_ERROR_KEY",

@@ -7,7 +7,7 @@ states nor lets us derive are None, never guessed.
 msgspec structs, not pydantic models or dataclasses: records are built per trace on the hot path, a
 struct's `__init__` runs in C, and msgspec writes them as JSON natively (`EvaluationResult.to_json`);
 `msgspec.to_builtins(record)` gives plain dicts. Input validation (with field-naming errors) happens
-in the parsers, against the pydantic input schemas in `tracejudge.schemas.inputs`.
+in the parsers, against the pydantic input schemas in `tracejudge.schemas.formats.inputs`.
 """
 
 from __future__ import annotations

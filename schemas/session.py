@@ -1,7 +1,7 @@
 """Sessions: the turns of one conversation, and the session result line.
 
 A session is the results that share a `session_id` (see `EvalRecord.session_id` for where the id comes
-from). The session stage (`tracejudge sessions`, `consumer/sessions.py`) and `tracejudge eval` gather a
+from). The session stage (`tracejudge sessions`, `consumer/stages/sessions.py`) and `tracejudge eval` gather a
 session's turns, compute its metrics, run the session judges and write one session result line:
 
     {"schema_version": 3, "kind": "session", "session_id": "...", "user_id": ..., "app": ...,

@@ -2,7 +2,7 @@
 
 MLflow JSON (3.x and 2.x), OTLP spans under the GenAI / OpenInference / Traceloop conventions and
 inference-table rows all end up as a `Trace` of `Span`s before anything is derived from them, so
-derivation (`tracejudge.schemas.derive`) is written once and cannot drift between formats.
+derivation (`tracejudge.schemas.formats.derive`) is written once and cannot drift between formats.
 
 These are msgspec structs rather than pydantic models or dataclasses on purpose: a trace is built on
 the hot path of the stream (tens of thousands of spans per second) and a struct's `__init__` runs in

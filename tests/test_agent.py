@@ -140,7 +140,7 @@ def test_one_agent_at_a_time_and_shares_are_validated():
 
 
 def test_tracejudge_normalises_the_agents_traces_into_what_the_agent_did():
-    from tracejudge.schemas.detect import normalise
+    from tracejudge.schemas.formats.detect import normalise
 
     made = produce(80, seed=9, failure_share=0.2)
     for item in made:
@@ -215,9 +215,9 @@ def test_the_heuristic_frustration_judge_finds_exactly_the_conversations_the_age
     from prometheus_client import CollectorRegistry
 
     from tracejudge.consumer.pipeline import Pipeline
-    from tracejudge.consumer.session_eval import SessionEvaluation, SessionGrouper
-    from tracejudge.metrics.session_judges import SessionJudgeRunner
+    from tracejudge.metrics.judges.sessions import SessionJudgeRunner
     from tracejudge.schemas.result import SourceRef
+    from tracejudge.sessions import SessionEvaluation, SessionGrouper
 
     pipeline = Pipeline(app_tag=APP_TAG)
     grouper = SessionGrouper()

@@ -12,7 +12,7 @@ import pytest
 from mlflow.entities import Trace as MlflowTrace
 from support import mlflow_apps
 
-from tracejudge.schemas.detect import normalise
+from tracejudge.schemas.formats.detect import normalise
 from tracejudge.schemas.record import Document, ToolCall
 from tracejudge.schemas.trace import TokenUsage
 

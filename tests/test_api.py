@@ -65,7 +65,7 @@ def test_same_scores_as_the_offline_command(tmp_path):
               "retrieved_context": [{"content": c} for c in CONTEXT]}
     (tmp_path / "in.jsonl").write_text(json.dumps(record) + "\n")
     (tmp_path / "c.yaml").write_text("judges: {}\n")
-    cmd = [sys.executable, "-m", "tracejudge.consumer.cli", "eval", str(tmp_path / "in.jsonl"),
+    cmd = [sys.executable, "-m", "tracejudge.consumer.commands.cli", "eval", str(tmp_path / "in.jsonl"),
            "--config", str(tmp_path / "c.yaml"), "--quiet"]
     proc = subprocess.run(cmd, capture_output=True, check=True, timeout=120)
     offline = json.loads(proc.stdout)

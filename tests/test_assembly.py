@@ -12,11 +12,16 @@ import pytest
 from prometheus_client import CollectorRegistry
 from support.otel_producers import Producer, encode, genai_trace, kafka_messages, to_otlp_json
 
-from tracejudge.consumer.assembly import AssembledTrace, AssemblySettings, OtlpLineAssembler, TraceAssembler
-from tracejudge.metrics.assembly_metrics import AssemblyMetrics
-from tracejudge.schemas import otlp
+from tracejudge.consumer.stages.assembly import (
+    AssembledTrace,
+    AssemblySettings,
+    OtlpLineAssembler,
+    TraceAssembler,
+)
+from tracejudge.metrics.telemetry.assembly import AssemblyMetrics
 from tracejudge.schemas.errors import RecordError
-from tracejudge.schemas.otlp import SpanGroup
+from tracejudge.schemas.formats import otlp
+from tracejudge.schemas.formats.otlp import SpanGroup
 
 
 class Clock:
@@ -361,7 +366,7 @@ def test_entry_span_with_a_remote_parent_stands_in_for_a_root_that_never_arrives
 def test_content_log_records_that_cannot_join_a_span_are_counted_not_held(env):
     """A content event naming no trace or span, or a span its trace never had, is dropped and
     counted; the one naming a span of the trace is kept with it."""
-    from tracejudge.schemas import otlp_logs
+    from tracejudge.schemas.formats import otlp_logs
 
     clock, registry, asm = env
     ((trace_id, groups),) = traces(1)

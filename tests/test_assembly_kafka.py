@@ -27,7 +27,7 @@ from support.otel_producers import (
     traceloop_trace,
 )
 
-from tracejudge.consumer.stream import StreamRunner
+from tracejudge.consumer.stages.run import StreamRunner
 
 
 def results_by_trace(bootstrap: str, topic: str, at_least: int) -> dict[str, list[dict]]:

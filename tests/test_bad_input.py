@@ -1,6 +1,6 @@
 """Bad input gives a `RecordError` that names what is wrong and where; nothing else escapes.
 
-Also: the MLflow trace parser's inline checks and the pydantic schemas (`tracejudge.schemas.inputs`,
+Also: the MLflow trace parser's inline checks and the pydantic schemas (`tracejudge.schemas.formats.inputs`,
 the documented source of truth) accept and reject exactly the same traces, checked on real traces
 (mlflow 3.17 and 2.22) mutated at random.
 """
@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import mlflow_apps
 
-from tracejudge.schemas.detect import normalise
 from tracejudge.schemas.errors import REASONS, RecordError
-from tracejudge.schemas.inputs import MlflowTraceV2, MlflowTraceV3, ValidationError
-from tracejudge.schemas.mlflow import parse_trace
+from tracejudge.schemas.formats.detect import normalise
+from tracejudge.schemas.formats.inputs import MlflowTraceV2, MlflowTraceV3, ValidationError
+from tracejudge.schemas.formats.mlflow import parse_trace
 from tracejudge.schemas.record import EvalRecord
 from tracejudge.schemas.result import EvaluationResult, SourceRef
 

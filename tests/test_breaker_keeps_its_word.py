@@ -18,8 +18,8 @@ from prometheus_client import CollectorRegistry
 from support.clock import FakeClock
 from support.openai_stub import OpenAIStub, Reply, StubRequest, wait_until
 
-from tracejudge.metrics.judge_client import CircuitBreaker
-from tracejudge.metrics.judging import JudgeRunner
+from tracejudge.metrics.judges.client import CircuitBreaker
+from tracejudge.metrics.judges.runner import JudgeRunner
 from tracejudge.schemas.record import Document, EvalRecord
 from tracejudge.schemas.result import Assessment
 
@@ -84,7 +84,7 @@ class BreakerLog(logging.Handler):
 @pytest.fixture
 def breaker_log(stub: OpenAIStub) -> Iterator[BreakerLog]:
     handler = BreakerLog(stub)
-    logger = logging.getLogger("tracejudge.metrics.judge_client")
+    logger = logging.getLogger("tracejudge.metrics.judges.client")
     level = logger.level
     logger.setLevel(logging.INFO)
     logger.addHandler(handler)

@@ -17,11 +17,12 @@ from support.mlflow_server import send_otlp, shared_mlflow_server
 from support.openai_stub import OpenAIStub, Reply, StubRequest
 from support.otel_producers import Producer, genai_trace
 
-from tracejudge.consumer import cli
-from tracejudge.consumer.calibrate import judge_every_record
-from tracejudge.consumer.labels import LabelSet, label_passes
-from tracejudge.metrics import calibration
-from tracejudge.metrics.agreement import (
+from tracejudge.consumer.commands import cli
+from tracejudge.consumer.commands.calibrate import judge_every_record
+from tracejudge.metrics.judges.config import load_judges_config
+from tracejudge.metrics.judges.runner import JudgeRunner
+from tracejudge.metrics.judges.trust import calibration
+from tracejudge.metrics.judges.trust.agreement import (
     MINIMUM_LABELS,
     Agreement,
     Confusion,
@@ -29,12 +30,11 @@ from tracejudge.metrics.agreement import (
     corrected_rate,
     wilson_interval,
 )
-from tracejudge.metrics.judge_config import load_judges_config
-from tracejudge.metrics.judging import JudgeRunner
-from tracejudge.schemas.detect import normalise
+from tracejudge.schemas.formats.detect import normalise
+from tracejudge.schemas.formats.labels import LabelSet, label_passes
 from tracejudge.schemas.result import JudgeIdentity
 
-KIT = Path(__file__).resolve().parents[1] / "metrics" / "calibration_kit"
+KIT = Path(__file__).resolve().parents[1] / "metrics" / "judges" / "trust" / "calibration_kit"
 
 
 # ------------------------------------------------------------------------------------------ statistics

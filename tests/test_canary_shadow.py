@@ -15,13 +15,13 @@ from support.clock import FakeClock
 from support.openai_stub import OpenAIStub, Reply, StubRequest, wait_until
 
 from tracejudge.consumer.config import ConfigError
-from tracejudge.consumer.stream import StreamRunner
-from tracejudge.metrics.canary import SHIPPED_CANARIES, CanaryRunner, build_canaries
-from tracejudge.metrics.judge_config import JudgeConfigError, load_judges_config
-from tracejudge.metrics.judging import JudgeRunner
+from tracejudge.consumer.stages.run import StreamRunner
+from tracejudge.metrics.judges.config import JudgeConfigError, load_judges_config
+from tracejudge.metrics.judges.runner import JudgeRunner
+from tracejudge.metrics.judges.trust.canaries import SHIPPED_CANARIES, CanaryRunner, build_canaries
 from tracejudge.schemas.record import Document, EvalRecord
 
-SHIPPED = Path(__file__).resolve().parents[1] / "metrics" / SHIPPED_CANARIES
+SHIPPED = Path(__file__).resolve().parents[1] / "metrics" / "judges" / "trust" / SHIPPED_CANARIES
 
 
 def shipped_answers(judge: str) -> dict[str, str]:
@@ -260,8 +260,8 @@ def test_the_otlp_sink_writes_nothing_for_a_shadow_assessment() -> None:
 
     from support.otlp_receiver import OtlpReceiver
 
-    from tracejudge.consumer.writeback.base import SinkBatch, SinkRecord
-    from tracejudge.consumer.writeback.otlp import OtlpSink, OtlpSinkSettings
+    from tracejudge.consumer.sinks.base import SinkBatch, SinkRecord
+    from tracejudge.consumer.sinks.otlp import OtlpSink, OtlpSinkSettings
 
     def assessment(name: str, shadow_of: str | None) -> dict[str, Any]:
         return {"name": name, "value": "yes", "score": 1.0, "passed": True, "rationale": "ok",

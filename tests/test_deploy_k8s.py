@@ -209,7 +209,8 @@ def test_configmap_config_passes_tracejudge_check_config(tmp_path: Path) -> None
 
     path = tmp_path / "config.yaml"
     path.write_text(resources()["ConfigMap"]["data"]["config.yaml"])
-    check = subprocess.run([sys.executable, "-m", "tracejudge.consumer.cli", "run", "--config", str(path),
+    check = subprocess.run([sys.executable, "-m", "tracejudge.consumer.commands.cli", "run", "--config",
+                            str(path),
                             "--check-config"], capture_output=True, text=True, timeout=60,
                            env={k: v for k, v in os.environ.items() if not k.startswith("TRACEJUDGE_")})
     assert check.returncode == 0, check.stderr
@@ -333,7 +334,8 @@ def test_keda_scales_only_the_evaluator() -> None:
 def test_sink_config_passes_tracejudge_sink_check_config(tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
     path.write_text(resources()["ConfigMap"]["data"]["sink-mlflow.yaml"])
-    check = subprocess.run([sys.executable, "-m", "tracejudge.consumer.cli", "sink", "mlflow", "--config",
+    check = subprocess.run([sys.executable, "-m", "tracejudge.consumer.commands.cli", "sink", "mlflow",
+                            "--config",
                             str(path), "--check-config"], capture_output=True, text=True, timeout=60,
                            env={k: v for k, v in os.environ.items()
                                 if not k.startswith(("TRACEJUDGE_", "MLFLOW_"))})
@@ -409,7 +411,7 @@ def test_sessions_judge_key_comes_from_the_same_secret() -> None:
 def test_sessions_config_passes_tracejudge_sessions_check_config(tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
     path.write_text(resources()["ConfigMap"]["data"]["sessions.yaml"])
-    check = subprocess.run([sys.executable, "-m", "tracejudge.consumer.cli", "sessions", "--config",
+    check = subprocess.run([sys.executable, "-m", "tracejudge.consumer.commands.cli", "sessions", "--config",
                             str(path), "--check-config"], capture_output=True, text=True, timeout=60,
                            env={k: v for k, v in os.environ.items() if not k.startswith("TRACEJUDGE_")})
     assert check.returncode == 0, check.stderr

@@ -6,11 +6,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 from support.deploy_files import RUN_METRICS, SESSION_JUDGE_METRICS, SESSION_STAGE_METRICS, SINK_METRICS
 
-from tracejudge.metrics.assembly_metrics import AssemblyMetrics
 from tracejudge.metrics.cost import JudgeCostMetrics
-from tracejudge.metrics.judge_metrics import JudgeMetrics
-from tracejudge.metrics.prometheus import PrometheusExporter
-from tracejudge.metrics.trust_metrics import TrustMetrics
+from tracejudge.metrics.judges.series import JudgeMetrics
+from tracejudge.metrics.telemetry.assembly import AssemblyMetrics
+from tracejudge.metrics.telemetry.evaluation import PrometheusExporter
+from tracejudge.metrics.telemetry.trust import TrustMetrics
 
 
 def families(*owners: object) -> dict[str, tuple[str, tuple[str, ...]]]:
@@ -39,8 +39,8 @@ def test_every_contract_metric_is_exported_with_its_labels() -> None:
 
 def sink_families() -> dict[str, dict[str, tuple[str, tuple[str, ...]]]]:
     """Per sink kind, the families its class registers (no connection is made: `setup` is not called)."""
-    from tracejudge.consumer.writeback.mlflow import MlflowSink, MlflowSinkSettings
-    from tracejudge.consumer.writeback.otlp import OtlpSink, OtlpSinkSettings
+    from tracejudge.consumer.sinks.mlflow import MlflowSink, MlflowSinkSettings
+    from tracejudge.consumer.sinks.otlp import OtlpSink, OtlpSinkSettings
 
     out = {}
     for kind, sink in (
@@ -66,7 +66,7 @@ def test_each_sink_exports_its_contract_metrics_with_their_labels() -> None:
 
 
 def test_the_sink_runtime_exports_lag_batches_and_dead_letters_with_their_labels() -> None:
-    from tracejudge.consumer.sink_stage import SinkMetrics
+    from tracejudge.consumer.stages.sink import SinkMetrics
 
     real = families(SinkMetrics(CollectorRegistry(), "mlflow"))
     for name in ("tracejudge_sink_lag_records", "tracejudge_sink_batches_total",
@@ -77,7 +77,7 @@ def test_the_sink_runtime_exports_lag_batches_and_dead_letters_with_their_labels
 
 
 def test_every_sink_contract_metric_has_an_exporter() -> None:
-    from tracejudge.consumer.sink_stage import SinkMetrics
+    from tracejudge.consumer.stages.sink import SinkMetrics
 
     runtime = families(SinkMetrics(CollectorRegistry(), "otlp"))
     for kind, real in sink_families().items():
@@ -85,7 +85,7 @@ def test_every_sink_contract_metric_has_an_exporter() -> None:
 
 
 def test_the_session_stage_exports_its_contract_metrics_with_their_labels() -> None:
-    from tracejudge.metrics.session_metrics import SessionMetrics
+    from tracejudge.metrics.telemetry.sessions import SessionMetrics
 
     real = families(SessionMetrics(CollectorRegistry()))
     for name, family in SESSION_STAGE_METRICS.items():
@@ -94,7 +94,7 @@ def test_the_session_stage_exports_its_contract_metrics_with_their_labels() -> N
 
 
 def test_the_session_judges_export_their_contract_metrics_with_their_labels() -> None:
-    from tracejudge.metrics.session_judges import SessionJudgeMetrics
+    from tracejudge.metrics.judges.sessions import SessionJudgeMetrics
 
     real = families(SessionJudgeMetrics(CollectorRegistry()))
     for name, family in SESSION_JUDGE_METRICS.items():
@@ -105,7 +105,7 @@ def test_the_session_judges_export_their_contract_metrics_with_their_labels() ->
 def test_user_frustration_verdicts_carry_the_values_the_alert_counts() -> None:
     """UserFrustrationRising counts verdict="unresolved" of judge="user_frustration"; the dashboards
     count "fail" and "unresolved" as not passed."""
-    from tracejudge.metrics.session_judges import SessionJudgeMetrics
+    from tracejudge.metrics.judges.sessions import SessionJudgeMetrics
     from tracejudge.schemas.result import Assessment
 
     registry = CollectorRegistry()

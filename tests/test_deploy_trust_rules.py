@@ -11,7 +11,7 @@ import re
 
 from support.deploy_files import RULE_TESTS, load_yaml
 
-from tracejudge.metrics.agreement import corrected_rate
+from tracejudge.metrics.judges.trust.agreement import corrected_rate
 
 TRUE_PASS, TPR, TNR, TRACES = 0.8, 0.9, 0.8, 10_000
 

@@ -21,7 +21,7 @@ from mlflow.genai.utils import trace_utils
 from mlflow.tracing.utils import aggregate_usage_from_spans
 from support import mlflow_apps
 
-from tracejudge.schemas.detect import normalise
+from tracejudge.schemas.formats.detect import normalise
 from tracejudge.schemas.record import EvalRecord
 
 MLFLOW2_FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "mlflow2" / "traces.jsonl"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import orjson
 
-TRACEJUDGE = [sys.executable, "-m", "tracejudge.consumer.cli"]
+TRACEJUDGE = [sys.executable, "-m", "tracejudge.consumer.commands.cli"]
 
 
 def run(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:

@@ -1,6 +1,6 @@
 """The files of `tracejudge eval` and `tracejudge calibrate` as users have them, through the installed
 console script: compressed and odd encodings, inputs never destroyed, outputs replaced only by a
-successful run, and exit statuses that mean one thing each (`consumer/exit_status.py`)."""
+successful run, and exit statuses that mean one thing each (`consumer/runtime/exit_status.py`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import orjson
 import pytest
 
 TRACEJUDGE = str(Path(sys.executable).parent / "tracejudge")
-KIT = Path(__file__).resolve().parents[1] / "metrics" / "calibration_kit" / "groundedness.jsonl"
+KIT = Path(__file__).resolve().parents[1] / "metrics" / "judges" / "trust" / "calibration_kit" /
+"groundedness.jsonl"
 OK, GATE, USAGE, OUTPUT, INTERRUPTED = 0, 1, 2, 3, 130
 
 

@@ -14,8 +14,8 @@ import pytest
 from mlflow.entities import Trace as MlflowTrace
 from support import mlflow_apps
 
-from tracejudge.schemas.detect import normalise
 from tracejudge.schemas.errors import RecordError
+from tracejudge.schemas.formats.detect import normalise
 from tracejudge.schemas.trace import TokenUsage
 
 CHAT_REQUEST = {"messages": [{"role": "system", "content": "You answer billing questions."},

@@ -87,7 +87,8 @@ def evaluated(outputs: dict[str, dict[str, Any]], tmp_path_factory: pytest.TempP
         if doc.get("otlp_logs_json"):  # content the instrumentor wrote as log records
             lines.append(orjson.dumps(doc["otlp_logs_json"]))
     src.write_bytes(b"\n".join(lines) + b"\n")
-    proc = subprocess.run([sys.executable, "-m", "tracejudge.consumer.cli", "eval", str(src), "-o", str(dst),
+    proc = subprocess.run([sys.executable, "-m", "tracejudge.consumer.commands.cli", "eval", str(src), "-o",
+                           str(dst),
                            "-q"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     # Trace result lines (the session result lines of apps that state a session are another shape).

@@ -13,8 +13,8 @@ import pytest
 from support.clock import FakeClock
 from support.openai_stub import OpenAIStub, Reply, StubRequest
 
-from tracejudge.metrics.judge_client import CircuitBreaker, JudgeCallError, JudgeClient, parse_retry_after
-from tracejudge.metrics.judge_config import EndpointConfig
+from tracejudge.metrics.judges.client import CircuitBreaker, JudgeCallError, JudgeClient, parse_retry_after
+from tracejudge.metrics.judges.config import EndpointConfig
 
 MESSAGES = [{"role": "user", "content": "Is the sky blue? Answer in JSON."}]
 SCHEMA = {"type": "object", "properties": {"result": {"type": "string"}}, "required": ["result"]}
@@ -397,7 +397,7 @@ def test_a_key_echoed_by_the_judge_never_reaches_results_logs_or_metrics(
 ) -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from tracejudge.metrics.judging import JudgeRunner
+    from tracejudge.metrics.judges.runner import JudgeRunner
     from tracejudge.schemas.record import EvalRecord
     from tracejudge.schemas.result import EvaluationResult, SourceRef
 

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from support.openai_stub import OpenAIStub, Reply, StubRequest, bag_of_words_vector
 
 from tracejudge.consumer.pipeline import Pipeline, with_judgements
-from tracejudge.metrics.judging import JudgeRunner
+from tracejudge.metrics.judges.runner import JudgeRunner
 from tracejudge.schemas.record import Document, EvalRecord
 from tracejudge.schemas.result import JudgeIdentity, SourceRef
 
@@ -171,7 +171,7 @@ def test_the_version_is_stable_across_runners_pipelines_and_processes(stub: Open
     script = (
         "import json, sys\n"
         "from prometheus_client import CollectorRegistry\n"
-        "from tracejudge.metrics.judging import JudgeRunner\n"
+        "from tracejudge.metrics.judges.runner import JudgeRunner\n"
         "r = JudgeRunner(json.loads(sys.argv[1]), registry=CollectorRegistry())\n"
         "print(json.dumps({c.name: c.judge.identity.version for c in r._judges}))\n"
     )

@@ -11,15 +11,15 @@ import yaml
 from prometheus_client import CollectorRegistry
 from support.openai_stub import OpenAIStub, Reply, StubRequest
 
-from tracejudge.metrics.judge_config import JudgeConfigError, load_judges_config
-from tracejudge.metrics.judges import (
+from tracejudge.metrics.judges.builtin import (
     JudgeAnswerError,
     parse_json_answer,
     parse_verdict,
     parse_yes_no,
     split_statements,
 )
-from tracejudge.metrics.judging import JudgeRunner
+from tracejudge.metrics.judges.config import JudgeConfigError, load_judges_config
+from tracejudge.metrics.judges.runner import JudgeRunner
 from tracejudge.schemas.record import Document, EvalRecord, ToolCall
 from tracejudge.schemas.result import Assessment
 

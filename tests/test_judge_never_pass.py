@@ -24,12 +24,12 @@ from support.openai_stub import OpenAIStub, Reply, StubRequest
 
 from tracejudge import EvalRecord, Evaluator, evaluate, evaluate_session
 from tracejudge.consumer.config import load_settings
-from tracejudge.consumer.stream import StreamRunner
-from tracejudge.metrics.judge_config import DEFAULT_LLM_SAMPLE_RATE, JudgeConfigError, JudgeSettings
-from tracejudge.metrics.sampling import sample_point
+from tracejudge.consumer.stages.run import StreamRunner
+from tracejudge.metrics.judges.config import DEFAULT_LLM_SAMPLE_RATE, JudgeConfigError, JudgeSettings
+from tracejudge.metrics.judges.sampling import sample_point
 
 CONTEXT = ["Refunds are accepted within 30 days of purchase."]
-TRACEJUDGE = [sys.executable, "-m", "tracejudge.consumer.cli"]
+TRACEJUDGE = [sys.executable, "-m", "tracejudge.consumer.commands.cli"]
 
 
 def _schema_name(req: StubRequest) -> str:
@@ -117,7 +117,7 @@ def test_the_same_section_on_the_stream_samples_and_the_offline_call_still_judge
 
 
 def test_the_stream_states_its_sampled_default_once_at_start_up_and_offline_does_not_sample(stub, caplog):
-    caplog.set_level(logging.INFO, logger="tracejudge.metrics.judging")
+    caplog.set_level(logging.INFO, logger="tracejudge.metrics.judges.runner")
     name = "ep_" + uuid.uuid4().hex[:12]
     judges = {"endpoints": {name: endpoint(stub)}, "builtin": {"relevance_to_query": {}, "safety": {}}}
     settings = load_settings(environ={}, overrides={

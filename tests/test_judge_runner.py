@@ -17,8 +17,8 @@ from support import mlflow_apps
 from support.clock import FakeClock
 from support.openai_stub import OpenAIStub, Reply, wait_until
 
-from tracejudge.metrics.judging import JudgeRunner
-from tracejudge.schemas.detect import normalise
+from tracejudge.metrics.judges.runner import JudgeRunner
+from tracejudge.schemas.formats.detect import normalise
 from tracejudge.schemas.record import Document, EvalRecord
 from tracejudge.schemas.result import EvaluationResult, SourceRef
 

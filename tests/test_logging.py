@@ -1,5 +1,5 @@
 """What reaches the log below DEBUG: tracejudge's own lines, not a line per HTTP request or per failed
-Kafka connection attempt (`tracejudge.consumer.log_setup`). The `tracejudge run` process against an
+Kafka connection attempt (`tracejudge.consumer.runtime.logs`). The `tracejudge run` process against an
 unreachable broker is in test_stream_process.py."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from kafka.errors import KafkaConnectionError, KafkaTimeoutError, TopicAuthoriza
 from support.openai_stub import OpenAIStub
 
 from tracejudge.consumer.config import LoggingSettings
-from tracejudge.consumer.log_setup import KAFKA_CONNECTION_LOGS, KafkaConnectionLogs
-from tracejudge.consumer.stream import configure_logging
-from tracejudge.metrics.judge_client import JudgeClient
-from tracejudge.metrics.judge_config import EndpointConfig
+from tracejudge.consumer.runtime.logs import KAFKA_CONNECTION_LOGS, KafkaConnectionLogs
+from tracejudge.consumer.stages.run import configure_logging
+from tracejudge.metrics.judges.client import JudgeClient
+from tracejudge.metrics.judges.config import EndpointConfig
 
 _TOUCHED = ("", "httpx", "httpcore", "kafka", "kafka.net.manager", "kafka.net.connection",
             "kafka.net.transport", "kafka.net.inet", "kafka.cluster", "kafka.coordinator",

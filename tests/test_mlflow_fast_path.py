@@ -27,11 +27,11 @@ from hypothesis import strategies as st
 from support import mlflow_apps
 
 from tracejudge.schemas import errors
-from tracejudge.schemas import mlflow as parser
-from tracejudge.schemas import mlflow_wire as wire
-from tracejudge.schemas.derive import HTTP_STATUS_KEYS, derive, documents_from_output, root_span
-from tracejudge.schemas.detect import normalise
 from tracejudge.schemas.errors import RecordError
+from tracejudge.schemas.formats import mlflow as parser
+from tracejudge.schemas.formats import mlflow_wire as wire
+from tracejudge.schemas.formats.derive import HTTP_STATUS_KEYS, derive, documents_from_output, root_span
+from tracejudge.schemas.formats.detect import normalise
 from tracejudge.schemas.trace import SpanKind, Trace
 
 TRACES = {name: json.loads(text) for name, text in mlflow_apps.run_all().items()}

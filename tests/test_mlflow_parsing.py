@@ -17,9 +17,9 @@ from mlflow.entities import Trace as MlflowTrace
 from mlflow.genai.utils import trace_utils
 from support import mlflow_apps
 
-from tracejudge.schemas.derive import derive
-from tracejudge.schemas.detect import normalise
-from tracejudge.schemas.mlflow import parse_trace
+from tracejudge.schemas.formats.derive import derive
+from tracejudge.schemas.formats.detect import normalise
+from tracejudge.schemas.formats.mlflow import parse_trace
 from tracejudge.schemas.trace import SpanKind, SpanStatus, TokenUsage
 
 MLFLOW2 = pathlib.Path(__file__).parent / "fixtures" / "mlflow2" / "traces.jsonl"

@@ -24,7 +24,7 @@ from support import mlflow_apps
 import tracejudge
 from tracejudge import EvalRecord, Evaluator, SessionResult, evaluate_session
 
-TRACEJUDGE = [sys.executable, "-m", "tracejudge.consumer.cli"]
+TRACEJUDGE = [sys.executable, "-m", "tracejudge.consumer.commands.cli"]
 
 # (session, user, question, answer): a calm conversation, a user who repeats and gives up, and one
 # request outside any conversation (session None).

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
-from tracejudge.consumer.offsets import OffsetTracker
+from tracejudge.consumer.runtime.offsets import OffsetTracker
 
 TP = TopicPartition("traces", 0)
 TP1 = TopicPartition("traces", 1)

@@ -23,9 +23,9 @@ from support.otel_producers import (
     unknown_convention_trace,
 )
 
-from tracejudge.consumer.assembly import TraceAssembler
-from tracejudge.schemas import otlp
-from tracejudge.schemas.derive import derive
+from tracejudge.consumer.stages.assembly import TraceAssembler
+from tracejudge.schemas.formats import otlp
+from tracejudge.schemas.formats.derive import derive
 from tracejudge.schemas.record import EvalRecord, ToolCall
 from tracejudge.schemas.trace import SpanKind
 

@@ -16,8 +16,9 @@ from support.otel_producers import (
     to_otlp_json,
 )
 
-from tracejudge.schemas import errors, otlp
+from tracejudge.schemas import errors
 from tracejudge.schemas.errors import RecordError
+from tracejudge.schemas.formats import otlp
 from tracejudge.schemas.trace import SpanKind, SpanStatus
 
 

@@ -11,9 +11,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from support.kafka import agent_traces, samples, value
 
-from tracejudge.consumer.http_server import OperationsServer
 from tracejudge.consumer.pipeline import Pipeline
-from tracejudge.metrics.prometheus import OTHER_APP, UNKNOWN_APP, PrometheusExporter
+from tracejudge.consumer.runtime.http import OperationsServer
+from tracejudge.metrics.telemetry.evaluation import OTHER_APP, UNKNOWN_APP, PrometheusExporter
 from tracejudge.schemas.record import Document, EvalRecord, ToolCall
 from tracejudge.schemas.result import EvaluationResult, SourceRef
 

@@ -27,13 +27,12 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from support.openai_stub import OpenAIStub, Reply, StubRequest, bag_of_words_vector
 
-from tracejudge.metrics import judges as J
-from tracejudge.metrics import session_judges as S
-from tracejudge.metrics import tool_call_judges as T
-from tracejudge.metrics.custom_judges import CUSTOM_SYSTEM
-from tracejudge.metrics.heuristic_sessions import HeuristicUserFrustration
-from tracejudge.metrics.judging import JudgeRunner
-from tracejudge.metrics.prompt_safety import (
+from tracejudge.metrics.judges import builtin as J
+from tracejudge.metrics.judges import sessions as S
+from tracejudge.metrics.judges import tool_calls as T
+from tracejudge.metrics.judges.custom import CUSTOM_SYSTEM
+from tracejudge.metrics.judges.heuristic_sessions import HeuristicUserFrustration
+from tracejudge.metrics.judges.prompt_safety import (
     ENCODING_NOTE,
     ENCODING_VERSION,
     RESERVED_TAGS,
@@ -44,7 +43,8 @@ from tracejudge.metrics.prompt_safety import (
     template_tags,
     trusted,
 )
-from tracejudge.metrics.session_judges import Conversation, SessionJudgeRunner, Transcript
+from tracejudge.metrics.judges.runner import JudgeRunner
+from tracejudge.metrics.judges.sessions import Conversation, SessionJudgeRunner, Transcript
 from tracejudge.schemas.record import Document, EvalRecord, ToolCall
 from tracejudge.schemas.session import Turn
 

@@ -1,4 +1,4 @@
-"""Redaction before egress (tracejudge.metrics.redaction): the detectors and their checks, one
+"""Redaction before egress (tracejudge.metrics.judges.redaction): the detectors and their checks, one
 placeholder map per judgement, and the judge endpoint's request log holding none of the personal data
 a corpus was seeded with, while a control set without personal data is sent byte for byte as before."""
 
@@ -18,10 +18,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from support.deploy_files import tool
 from support.openai_stub import OpenAIStub, Reply, StubRequest, bag_of_words_vector
 
-from tracejudge.metrics.judge_config import JudgeConfigError, load_judges_config
-from tracejudge.metrics.judging import JudgeRunner
-from tracejudge.metrics.redaction import KINDS, Redactor, iban_ok, luhn_ok
-from tracejudge.metrics.session_judges import Conversation, SessionJudgeRunner
+from tracejudge.metrics.judges.config import JudgeConfigError, load_judges_config
+from tracejudge.metrics.judges.redaction import KINDS, Redactor, iban_ok, luhn_ok
+from tracejudge.metrics.judges.runner import JudgeRunner
+from tracejudge.metrics.judges.sessions import Conversation, SessionJudgeRunner
 from tracejudge.schemas.record import Document, EvalRecord
 from tracejudge.schemas.session import Turn
 
@@ -434,7 +434,7 @@ def test_a_fixed_hash_seed_keys_the_line_cache_by_blake2(seed: str | None, key_t
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     if seed is not None:
         env["PYTHONHASHSEED"] = seed
-    code = ("from tracejudge.metrics.redaction import Redactor; r = Redactor(); "
+    code = ("from tracejudge.metrics.judges.redaction import Redactor; r = Redactor(); "
             "print(r.session().text('mail a.b@example.org'), type(next(iter(r._lines))).__name__)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["mail", "<EMAIL_1>", key_type]

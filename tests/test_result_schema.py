@@ -13,7 +13,7 @@ import msgspec
 import orjson
 import pytest
 
-from tracejudge.schemas.detect import normalise
+from tracejudge.schemas.formats.detect import normalise
 from tracejudge.schemas.record import Document, EvalRecord, TokenUsage, ToolCall
 from tracejudge.schemas.result import (
     SCHEMA_VERSION,
@@ -219,7 +219,8 @@ def test_eval_writes_version_3_lines_with_the_mlflow_trace_id_of_each_format(tmp
     config = tmp_path / "tracejudge.yaml"
     config.write_text("judges:\n  builtin:\n    groundedness: {provider: heuristic}\n"
                       "    relevance_to_query: {provider: heuristic}\n")
-    proc = subprocess.run([sys.executable, "-m", "tracejudge.consumer.cli", "eval", str(src), "--config",
+    proc = subprocess.run([sys.executable, "-m", "tracejudge.consumer.commands.cli", "eval", str(src),
+                           "--config",
                            str(config), "--quiet"], capture_output=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr.decode()
     # Trace result lines only (a session's own result line, `"kind": "session"`, is another shape).

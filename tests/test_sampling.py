@@ -8,9 +8,15 @@ import uuid
 
 from prometheus_client import CollectorRegistry
 
-from tracejudge.metrics.judge_config import FiltersConfig
-from tracejudge.metrics.judging import JudgeRunner
-from tracejudge.metrics.sampling import TraceFilter, is_sampled, sample_point, sampling_key, trace_status
+from tracejudge.metrics.judges.config import FiltersConfig
+from tracejudge.metrics.judges.runner import JudgeRunner
+from tracejudge.metrics.judges.sampling import (
+    TraceFilter,
+    is_sampled,
+    sample_point,
+    sampling_key,
+    trace_status,
+)
 from tracejudge.schemas.record import Document, EvalRecord
 
 N = 10_000

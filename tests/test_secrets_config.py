@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 from tracejudge.consumer.config import ConfigError, load_settings
-from tracejudge.consumer.writeback.mlflow import MlflowSinkSettings
-from tracejudge.consumer.writeback.otlp import OtlpSinkSettings
-from tracejudge.metrics.judge_config import JudgeConfigError, load_judges_config
+from tracejudge.consumer.sinks.mlflow import MlflowSinkSettings
+from tracejudge.consumer.sinks.otlp import OtlpSinkSettings
+from tracejudge.metrics.judges.config import JudgeConfigError, load_judges_config
 
 # Each secret is unique, so finding one anywhere in an output names the leak.
 SECRETS = {
@@ -84,7 +84,8 @@ def tracejudge(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
     """The real command line, as a process, at DEBUG so every library may speak."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("TRACEJUDGE_")}
     environ.update(env or {})
-    return subprocess.run([sys.executable, "-m", "tracejudge.consumer.cli", "--log-level", "DEBUG", *args],
+    return subprocess.run([sys.executable, "-m", "tracejudge.consumer.commands.cli", "--log-level", "DEBUG",
+                           *args],
                           capture_output=True, text=True, timeout=120, check=False, env=environ)
 
 

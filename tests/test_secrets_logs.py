@@ -19,9 +19,9 @@ import yaml
 from support.kafka import RunnerProcess, produce, read_topic, unique, wait_until
 from support.openai_stub import OpenAIStub
 
-from tracejudge.consumer import sinks
-from tracejudge.metrics.judging import JudgeRunner
-from tracejudge.metrics.secrets import HTTP_LOGGERS
+from tracejudge.consumer.runtime import producing as sinks
+from tracejudge.metrics.judges.runner import JudgeRunner
+from tracejudge.metrics.judges.secrets import HTTP_LOGGERS
 from tracejudge.schemas.record import EvalRecord
 
 QUERY_SECRET = "QP-SECRET-4d2f9a"

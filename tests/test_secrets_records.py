@@ -14,9 +14,9 @@ from typing import Any
 import orjson
 import pytest
 
-from tracejudge.schemas import otlp
-from tracejudge.schemas.detect import normalise
 from tracejudge.schemas.errors import RecordError, describe_value, exception_text
+from tracejudge.schemas.formats import otlp
+from tracejudge.schemas.formats.detect import normalise
 
 EMAIL, CARD = "alice.smith@example.com", "4111 1111 1111 1111"
 PII = f"{EMAIL}, card {CARD}"
@@ -116,7 +116,7 @@ def test_tracejudge_eval_reports_rejected_lines_without_their_content(tmp_path: 
              orjson.dumps(AGENT_EVAL)]
     data = tmp_path / "records.jsonl"
     data.write_bytes(b"\n".join(lines) + b"\n")
-    proc = subprocess.run([sys.executable, "-m", "tracejudge.consumer.cli", "eval", str(data), "-o",
+    proc = subprocess.run([sys.executable, "-m", "tracejudge.consumer.commands.cli", "eval", str(data), "-o",
                            str(tmp_path / "out.jsonl")], capture_output=True, text=True, timeout=120,
                           check=False)
     assert "records.jsonl:1: rejected (invalid_record): retrieved_context: expected a list, got an object " \

@@ -15,9 +15,9 @@ import yaml
 from prometheus_client import CollectorRegistry
 from support.openai_stub import OpenAIStub, Reply, StubRequest, bag_of_words_vector
 
-from tracejudge.metrics.judging import JudgeRunner
-from tracejudge.metrics.redaction import Redactor
-from tracejudge.metrics.session_judges import Conversation, SessionJudgeRunner
+from tracejudge.metrics.judges.redaction import Redactor
+from tracejudge.metrics.judges.runner import JudgeRunner
+from tracejudge.metrics.judges.sessions import Conversation, SessionJudgeRunner
 from tracejudge.schemas.record import EvalRecord
 from tracejudge.schemas.session import Turn
 

@@ -29,13 +29,13 @@ from support import mlflow_apps
 from support.kafka import metric, produce, read_topic, running, settings, unique, wait_until
 from support.otel_producers import Producer, kafka_messages
 
-from tracejudge.consumer.assembly import TraceAssembler
 from tracejudge.consumer.pipeline import Pipeline
-from tracejudge.schemas import otlp
-from tracejudge.schemas.derive import derive
+from tracejudge.consumer.stages.assembly import TraceAssembler
 from tracejudge.schemas.errors import RecordError
-from tracejudge.schemas.mlflow import parse_trace
-from tracejudge.schemas.mlflow_wire import derive_canonical_json
+from tracejudge.schemas.formats import otlp
+from tracejudge.schemas.formats.derive import derive
+from tracejudge.schemas.formats.mlflow import parse_trace
+from tracejudge.schemas.formats.mlflow_wire import derive_canonical_json
 from tracejudge.schemas.record import EvalRecord
 from tracejudge.schemas.result import EvaluationResult, SourceRef, session_key
 
@@ -301,7 +301,7 @@ def test_inference_log_rows():
 
 
 def _eval(src: Path, config: Path | None = None) -> list[dict[str, Any]]:
-    cmd = [sys.executable, "-m", "tracejudge.consumer.cli", "eval", str(src), "--quiet"]
+    cmd = [sys.executable, "-m", "tracejudge.consumer.commands.cli", "eval", str(src), "--quiet"]
     if config is not None:
         cmd += ["--config", str(config)]
     proc = subprocess.run(cmd, capture_output=True, timeout=120, check=False)

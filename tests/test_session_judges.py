@@ -16,11 +16,11 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from support.clock import FakeClock
 from support.openai_stub import OpenAIStub, Reply
 
-from tracejudge.metrics.budget import estimate_tokens
-from tracejudge.metrics.judge_config import SESSION_JUDGES, JudgeConfigError, load_judges_config
-from tracejudge.metrics.judging import JudgeRunner
-from tracejudge.metrics.sampling import sample_point
-from tracejudge.metrics.session_judges import Conversation, SessionJudgeRunner
+from tracejudge.metrics.judges.budget import estimate_tokens
+from tracejudge.metrics.judges.config import SESSION_JUDGES, JudgeConfigError, load_judges_config
+from tracejudge.metrics.judges.runner import JudgeRunner
+from tracejudge.metrics.judges.sampling import sample_point
+from tracejudge.metrics.judges.sessions import Conversation, SessionJudgeRunner
 from tracejudge.schemas.session import Turn
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "deploy" / "config" / "judges.example.yaml"

@@ -31,7 +31,7 @@ from support.kafka import RunnerProcess, produce, read_topic, unique, wait_until
 from support.otel_producers import kafka_messages
 
 from tracejudge.consumer.demo.broker import LocalBroker
-from tracejudge.schemas.detect import normalise
+from tracejudge.schemas.formats.detect import normalise
 from tracejudge.schemas.session import SessionResult
 
 pytestmark = pytest.mark.timeout(300)

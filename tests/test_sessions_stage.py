@@ -39,10 +39,10 @@ from support.kafka import (
     wait_until,
 )
 
-from tracejudge.consumer import sinks as headers
 from tracejudge.consumer.config import Settings, load_settings
 from tracejudge.consumer.demo.command import create_topic
-from tracejudge.consumer.sessions import TURN_OVERHEAD_BYTES, SessionRunner
+from tracejudge.consumer.runtime import producing as headers
+from tracejudge.consumer.stages.sessions import TURN_OVERHEAD_BYTES, SessionRunner
 from tracejudge.schemas.record import EvalRecord, TokenUsage, ToolCall
 from tracejudge.schemas.result import SCHEMA_VERSION, Assessment, EvaluationResult, SourceRef, session_key
 from tracejudge.schemas.session import SessionResult
@@ -473,7 +473,8 @@ def test_a_sigkilled_stage_restarts_and_every_session_is_published_with_all_its_
 ])
 def test_configuration_errors_exit_2_naming_the_key(args, env, expected):
     environ = {k: v for k, v in __import__("os").environ.items() if not k.startswith("TRACEJUDGE_")}
-    proc = subprocess.run([sys.executable, "-m", "tracejudge.consumer.cli", "sessions", "--input-topic",
+    proc = subprocess.run([sys.executable, "-m", "tracejudge.consumer.commands.cli", "sessions",
+                           "--input-topic",
                            "results", *args], capture_output=True, text=True, timeout=60,
                           env={**environ, **env}, check=False)
     assert proc.returncode == 2, proc.stderr

@@ -1,6 +1,6 @@
 """`tracejudge sink` on the consumer runtime, against the real broker, with a test sink.
 
-The sink here (`support.sinks.RecordingSink`) implements `consumer/writeback/base.py`'s `Sink` with
+The sink here (`support.sinks.RecordingSink`) implements `consumer/sinks/base.py`'s `Sink` with
 idempotent writes; the MLflow and OpenTelemetry sinks have their own tests. Results are real result
 lines (`EvaluationResult.to_json()`); the `tracejudge sink` process is the real command, the test sink
 registered as a plugin (`sink.plugins`).
@@ -35,10 +35,10 @@ from support.kafka import (
 )
 from support.sinks import TESTS, RecordingSink, SinkProcess, attempted, verdict_files
 
-from tracejudge.consumer import sinks as topics
 from tracejudge.consumer.config import Settings, load_settings
 from tracejudge.consumer.demo.broker import free_port
-from tracejudge.consumer.sink_stage import (
+from tracejudge.consumer.runtime import producing as topics
+from tracejudge.consumer.stages.sink import (
     INVALID_JSON,
     KNOWN_SCHEMA_VERSION,
     NOT_A_RESULT,
@@ -345,7 +345,7 @@ def _sink_cli(*args: str, config: dict[str, Any] | None = None, env: dict[str, s
     environ = {k: v for k, v in os.environ.items() if not k.startswith("TRACEJUDGE_")}
     environ.update({"PYTHONPATH": str(TESTS), "TRACEJUDGE_KAFKA__BOOTSTRAP_TIMEOUT_MS": "2000",
                     **(env or {})})
-    cmd = [sys.executable, "-m", "tracejudge.consumer.cli", "sink", *args,
+    cmd = [sys.executable, "-m", "tracejudge.consumer.commands.cli", "sink", *args,
            "--bootstrap-servers", f"127.0.0.1:{free_port()}", "--metrics-port", "0"]
     if config is not None:
         import yaml
@@ -439,8 +439,8 @@ def test_a_result_line_of_either_version_is_a_result():
 
 
 def test_the_builtin_sinks_settings_classes_are_found_from_their_constructors():
-    from tracejudge.consumer.writeback.mlflow import MlflowSink, MlflowSinkSettings
-    from tracejudge.consumer.writeback.otlp import OtlpSink, OtlpSinkSettings
+    from tracejudge.consumer.sinks.mlflow import MlflowSink, MlflowSinkSettings
+    from tracejudge.consumer.sinks.otlp import OtlpSink, OtlpSinkSettings
 
     assert sink_settings_type(MlflowSink) is MlflowSinkSettings
     assert sink_settings_type(OtlpSink) is OtlpSinkSettings

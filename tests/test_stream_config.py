@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tracejudge.consumer.config import ConfigError, load_settings
-from tracejudge.consumer.stream import add_arguments, main, settings_from_args
+from tracejudge.consumer.stages.run import add_arguments, main, settings_from_args
 
 SECRET = "s3cr3t-Pa55"
 
@@ -197,7 +197,7 @@ def test_invalid_configuration_exits_2_before_connecting_to_anything():
         listener.bind(("127.0.0.1", 0))
         listener.listen(8)
         listener.setblocking(False)
-        proc = subprocess.run([sys.executable, "-m", "tracejudge.consumer.stream", "--bootstrap-servers",
+        proc = subprocess.run([sys.executable, "-m", "tracejudge.consumer.stages.run", "--bootstrap-servers",
                                f"127.0.0.1:{listener.getsockname()[1]}", "--topic", "traces",
                                "--metrics-port", "-1"],
                               capture_output=True, text=True, timeout=120, check=False,
@@ -210,7 +210,7 @@ def test_invalid_configuration_exits_2_before_connecting_to_anything():
 
 
 def test_a_custom_metric_that_cannot_be_imported_is_a_config_error(capsys):
-    from tracejudge.consumer.stream import StreamRunner
+    from tracejudge.consumer.stages.run import StreamRunner
 
     s = load_settings(environ={}, overrides={"stream.topics": ["a"]})
     s.metrics.custom.append(type(s.metrics).model_validate(
@@ -222,7 +222,7 @@ def test_a_custom_metric_that_cannot_be_imported_is_a_config_error(capsys):
 
 
 def test_the_startup_summary_names_every_setting_but_no_secret(caplog):
-    from tracejudge.consumer.stream import StreamRunner
+    from tracejudge.consumer.stages.run import StreamRunner
 
     env = {"TRACEJUDGE_KAFKA__SECURITY_PROTOCOL": "SASL_SSL",
            "TRACEJUDGE_KAFKA__SASL_MECHANISM": "SCRAM-SHA-512",

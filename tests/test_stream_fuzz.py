@@ -29,13 +29,13 @@ from support.kafka import (
 from support.kafka import settings as runner_settings
 from support.otel_producers import Producer, encode, genai_trace, openinference_trace, to_otlp_json
 
-from tracejudge.consumer import sinks
-from tracejudge.consumer.assembly import AssemblySettings, TraceAssembler
-from tracejudge.consumer.offsets import OffsetTracker
 from tracejudge.consumer.pipeline import Pipeline
-from tracejudge.consumer.sinks import DeadLetterSink, ResultSink
-from tracejudge.consumer.stream import RecordProcessor
-from tracejudge.metrics.prometheus import PrometheusExporter
+from tracejudge.consumer.runtime import producing as sinks
+from tracejudge.consumer.runtime.offsets import OffsetTracker
+from tracejudge.consumer.runtime.producing import DeadLetterSink, ResultSink
+from tracejudge.consumer.stages.assembly import AssemblySettings, TraceAssembler
+from tracejudge.consumer.stages.run import RecordProcessor
+from tracejudge.metrics.telemetry.evaluation import PrometheusExporter
 from tracejudge.schemas.errors import REASONS
 
 FORMATS = ("auto", "agent_eval", "mlflow", "inference_log", "otlp_proto", "otlp_json")

@@ -30,9 +30,9 @@ from support.kafka import (
 )
 from support.otel_producers import Producer, genai_trace, interleave, kafka_messages
 
-from tracejudge.consumer import sinks
 from tracejudge.consumer.pipeline import Pipeline
-from tracejudge.consumer.stream import StreamRunner
+from tracejudge.consumer.runtime import producing as sinks
+from tracejudge.consumer.stages.run import StreamRunner
 from tracejudge.schemas.result import Assessment, SourceRef, session_key
 
 

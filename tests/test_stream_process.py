@@ -24,8 +24,8 @@ from support.kafka import (
     wait_until,
 )
 
-from tracejudge.consumer.decode_workers import auto_workers, available_cpus
 from tracejudge.consumer.demo.broker import LocalBroker, free_port
+from tracejudge.consumer.stages.decoding import auto_workers, available_cpus
 
 
 def children(pid: int) -> list[int]:
@@ -158,7 +158,8 @@ def _run_unreachable(*run_args: str, log_level: str | None = None) -> tuple[int,
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRACEJUDGE_")}
     env.update({"TRACEJUDGE_KAFKA__BOOTSTRAP_TIMEOUT_MS": "2000", "TRACEJUDGE_STREAM__DECODE_WORKERS": "0"})
     level = ("--log-level", log_level) if log_level else ()
-    cmd = [sys.executable, "-m", "tracejudge.consumer.cli", *level, "run", "--bootstrap-servers", address,
+    cmd = [sys.executable, "-m", "tracejudge.consumer.commands.cli", *level, "run", "--bootstrap-servers",
+           address,
            "--topic", "traces", "--metrics-port", "0", "--metrics-bind-address", "127.0.0.1", *run_args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False, env=env)
     return proc.returncode, address, proc.stderr

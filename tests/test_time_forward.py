@@ -20,19 +20,19 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from prometheus_client import CollectorRegistry
 from support.kafka import RunnerProcess, produce, read_topic, unique, wait_until
 
-from tracejudge.metrics.prometheus import PrometheusExporter
-from tracejudge.schemas import mlflow_wire, otlp
-from tracejudge.schemas.derive import derive
-from tracejudge.schemas.detect import normalise
+from tracejudge.metrics.telemetry.evaluation import PrometheusExporter
 from tracejudge.schemas.errors import RecordError
-from tracejudge.schemas.mlflow import parse_trace
+from tracejudge.schemas.formats import mlflow_wire, otlp
+from tracejudge.schemas.formats.derive import derive
+from tracejudge.schemas.formats.detect import normalise
+from tracejudge.schemas.formats.mlflow import parse_trace
 from tracejudge.schemas.record import ANOMALIES, EvalRecord, TokenUsage
 from tracejudge.schemas.result import EvaluationResult, SourceRef
 
 FIXTURES = Path(__file__).parent / "fixtures"
 V3 = json.loads((FIXTURES / "examples" / "mlflow_trace_v3_example.json").read_text())
 V2_ROW = json.loads((FIXTURES / "mlflow2" / "traces.jsonl").read_text().splitlines()[0])
-TRACEJUDGE = [sys.executable, "-m", "tracejudge.consumer.cli"]
+TRACEJUDGE = [sys.executable, "-m", "tracejudge.consumer.commands.cli"]
 
 
 def v3(**info: Any) -> dict[str, Any]:

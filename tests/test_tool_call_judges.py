@@ -13,12 +13,12 @@ from prometheus_client import CollectorRegistry
 from support import mlflow_apps
 from support.openai_stub import OpenAIStub, Reply
 
-from tracejudge.consumer.cli import main
+from tracejudge.consumer.commands.cli import main
 from tracejudge.consumer.pipeline import Pipeline
-from tracejudge.metrics.judge_config import JudgeConfigError, load_judges_config
-from tracejudge.metrics.judging import JudgeRunner
-from tracejudge.metrics.tool_call_judges import compare_exact, find_repeats
-from tracejudge.schemas.agent_eval import normalise_agent_eval
+from tracejudge.metrics.judges.config import JudgeConfigError, load_judges_config
+from tracejudge.metrics.judges.runner import JudgeRunner
+from tracejudge.metrics.judges.tool_calls import compare_exact, find_repeats
+from tracejudge.schemas.formats.agent_eval import normalise_agent_eval
 from tracejudge.schemas.record import EvalRecord, ToolCall
 from tracejudge.schemas.result import Assessment
 

@@ -15,12 +15,12 @@ import orjson
 import pytest
 from support.kafka import FAST_GROUP, produce, read_topic, running, settings, unique, wait_until
 
-from tracejudge.consumer.agreement import AgreementRunner
 from tracejudge.consumer.config import ConfigError, load_settings
-from tracejudge.consumer.stream import StreamRunner
-from tracejudge.metrics.agreement import Confusion
-from tracejudge.metrics.calibration import Calibration, CalibrationFile, save
-from tracejudge.metrics.trust_metrics import label_passed
+from tracejudge.consumer.stages.agreement import AgreementRunner
+from tracejudge.consumer.stages.run import StreamRunner
+from tracejudge.metrics.judges.trust.agreement import Confusion
+from tracejudge.metrics.judges.trust.calibration import Calibration, CalibrationFile, save
+from tracejudge.metrics.telemetry.trust import label_passed
 from tracejudge.schemas.record import Document, EvalRecord, HumanLabel
 from tracejudge.schemas.result import Assessment, EvaluationResult, JudgeIdentity, SourceRef
 
@@ -215,7 +215,7 @@ def test_the_agreement_stage_joins_labels_and_verdicts_and_counts_the_unmatched(
 def test_the_join_is_bounded(tmp_path):
     from prometheus_client import CollectorRegistry
 
-    from tracejudge.consumer.agreement import AgreementMetrics, Joiner
+    from tracejudge.consumer.stages.agreement import AgreementMetrics, Joiner
 
     metrics = AgreementMetrics(CollectorRegistry(), max_apps=5, judges=["groundedness"])
     joiner = Joiner(metrics, window_s=10, max_pending=2)

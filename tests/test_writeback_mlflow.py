@@ -42,8 +42,8 @@ from support.otel_producers import Producer, genai_trace, kafka_messages
 from support.sinks import SinkProcess
 
 from tracejudge.consumer.config import ConfigError
-from tracejudge.consumer.writeback.base import RetryLater, SinkBatch, SinkRecord, WriteReport
-from tracejudge.consumer.writeback.mlflow import (
+from tracejudge.consumer.sinks.base import RetryLater, SinkBatch, SinkRecord, WriteReport
+from tracejudge.consumer.sinks.mlflow import (
     MlflowSink,
     MlflowSinkSettings,
     feedback_key,

@@ -32,8 +32,8 @@ from support.sinks import SinkProcess
 
 from tracejudge.consumer.config import ConfigError
 from tracejudge.consumer.demo.broker import free_port
-from tracejudge.consumer.writeback.base import RetryLater, SinkBatch, SinkRecord
-from tracejudge.consumer.writeback.otlp import EVENT_NAME, OtlpSink, OtlpSinkSettings
+from tracejudge.consumer.sinks.base import RetryLater, SinkBatch, SinkRecord
+from tracejudge.consumer.sinks.otlp import EVENT_NAME, OtlpSink, OtlpSinkSettings
 
 RESULTS_TOPIC = "tracejudge-results"
 # One question the stub judges off-topic (a "no"), so verdicts of both labels exist.
@@ -108,7 +108,8 @@ def results(tmp_path_factory: pytest.TempPathFactory, judge_stub: OpenAIStub, tr
     src.write_text("\n".join(lines) + "\n")
     config = tmp / "judges.yaml"
     config.write_text(json.dumps(judges_config(judge_stub)))
-    proc = subprocess.run([sys.executable, "-m", "tracejudge.consumer.cli", "eval", str(src), "--config",
+    proc = subprocess.run([sys.executable, "-m", "tracejudge.consumer.commands.cli", "eval", str(src),
+                           "--config",
                            str(config), "--quiet"], capture_output=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr.decode()
     out = [orjson.loads(line) for line in proc.stdout.splitlines()]
@@ -308,7 +309,7 @@ def test_collector_down_retry_later_then_written_once_it_is_back(results, receiv
     with pytest.raises(RetryLater) as second:
         sink.write(batch(results))
     assert "logs_export_failed" in first.value.reason
-    # A base wait: the runtime (consumer/sink_stage.py) doubles it for each failed offer of the batch.
+    # A base wait: the runtime (consumer/stages/sink.py) doubles it for each failed offer of the batch.
     assert (first.value.after_s, second.value.after_s) == (1.0, 1.0)
     assert sample(registry, "tracejudge_sink_retries_total", reason="logs_export_failed") == 2
     assert sample(registry, "tracejudge_sink_writes_total", outcome="written") == 0

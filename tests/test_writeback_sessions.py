@@ -34,7 +34,10 @@ from support.otlp_receiver import OtlpReceiver
 from support.sinks import RecordingSink, SinkProcess
 
 from tracejudge.consumer.config import ConfigError, load_settings
-from tracejudge.consumer.sink_stage import (
+from tracejudge.consumer.sinks.base import RetryLater, SinkBatch, SinkRecord
+from tracejudge.consumer.sinks.mlflow import SESSION_ID_KEY, MlflowSink, MlflowSinkSettings
+from tracejudge.consumer.sinks.otlp import EVENT_NAME, OtlpSink, OtlpSinkSettings
+from tracejudge.consumer.stages.sink import (
     NOT_A_RESULT,
     UNKNOWN_SCHEMA_VERSION,
     BadResult,
@@ -43,9 +46,6 @@ from tracejudge.consumer.sink_stage import (
     decode_result,
     plan_sink,
 )
-from tracejudge.consumer.writeback.base import RetryLater, SinkBatch, SinkRecord
-from tracejudge.consumer.writeback.mlflow import SESSION_ID_KEY, MlflowSink, MlflowSinkSettings
-from tracejudge.consumer.writeback.otlp import EVENT_NAME, OtlpSink, OtlpSinkSettings
 from tracejudge.schemas.result import SCHEMA_VERSION, Assessment, JudgeIdentity
 from tracejudge.schemas.session import SessionResult, SessionSource, TurnRef
 

@@ -42,8 +42,8 @@ from types import FrameType
 from typing import Any, TextIO
 
 from tracejudge.consumer.demo.agent import APP_TAG
-from tracejudge.consumer.exit_status import SERVICE_FAILED
-from tracejudge.metrics.secrets import redact_url
+from tracejudge.consumer.runtime.exit_status import SERVICE_FAILED
+from tracejudge.metrics.judges.secrets import redact_url
 
 _log = logging.getLogger(__name__)
 
@@ -732,7 +732,7 @@ def _quiet_client_logs() -> None:
     # kafka-python and the runner narrate connections and rebalances at INFO; the live summary is the
     # demo's output (and a log line on the terminal would break its redrawing). kafka-python's
     # connection failures go to DEBUG as in `tracejudge run` (the demo says "cannot reach Kafka").
-    from tracejudge.consumer.log_setup import configure_library_logs
+    from tracejudge.consumer.runtime.logs import configure_library_logs
 
     configure_library_logs(logging.getLogger().getEffectiveLevel())
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
@@ -791,7 +791,7 @@ class EmbeddedRunner(_Embedded):
     def __init__(self, bootstrap_servers: str, topic: str, metrics_port: int, *,
                  publish: bool = True) -> None:
         from tracejudge.consumer.config import load_settings
-        from tracejudge.consumer.stream import StreamRunner
+        from tracejudge.consumer.stages.run import StreamRunner
 
         # Not the environment: TRACEJUDGE_* variables meant for a real deployment (SASL, another
         # group) must not leak into a demo against its own broker.
@@ -842,7 +842,7 @@ class EmbeddedSessions(_Embedded):
 
     def __init__(self, bootstrap_servers: str, topic: str, inactivity: float) -> None:
         from tracejudge.consumer.config import load_settings
-        from tracejudge.consumer.sessions import SessionRunner
+        from tracejudge.consumer.stages.sessions import SessionRunner
 
         self.settings = load_settings(environ={}, overrides={
             "kafka.bootstrap_servers": bootstrap_servers,

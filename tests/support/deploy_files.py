@@ -118,7 +118,7 @@ RUN_METRICS: dict[str, Family] = {
     "tracejudge_assembly_spans_held": Family("gauge", (), "Spans held in memory by trace assembly."),
     "tracejudge_assembly_traces_emitted_total": Family("counter", ("reason",),
                                                        "Assembled traces emitted, by why."),
-    # Judge trust (metrics/trust_metrics.py); `tracejudge agreement` exports the last two as well.
+    # Judge trust (metrics/telemetry/trust.py); `tracejudge agreement` exports the last two as well.
     "tracejudge_judge_calibration": Family("gauge", ("judge", "stat"),
                                            "Calibration file stats; stat tpr, tnr, kappa, n."),
     "tracejudge_judge_calibration_stale": Family("gauge", ("judge",),
@@ -127,7 +127,7 @@ RUN_METRICS: dict[str, Family] = {
                                                "Human labels vs verdicts; outcome agree or disagree."),
     "tracejudge_judge_labels_total": Family("counter", ("outcome",),
                                             "Human labels taken in, by outcome."),
-    # Canaries (metrics/canary.py); the JudgeCanaryFailing alert reads them.
+    # Canaries (metrics/judges/trust/canaries.py); the JudgeCanaryFailing alert reads them.
     "tracejudge_judge_canary_total": Family("counter", ("judge", "outcome"),
                                             "Canary judgements; outcome agree, disagree or error."),
     # Cost (metrics/cost.py): the Cost row and JudgeSpendNearCap read them.
@@ -156,8 +156,8 @@ SINK_METRICS: dict[str, Family] = {
                                                  "Results-topic records the sink dead-lettered, by reason."),
 }
 
-# Exported by `tracejudge sessions` (the session stage, metrics/session_metrics.py, and its session
-# judges, metrics/session_judges.py), not by `tracejudge run` (which exports the hashed-id counter too).
+# Exported by `tracejudge sessions` (the session stage, metrics/telemetry/sessions.py, and its session
+# judges, metrics/judges/sessions.py), not by `tracejudge run` (which exports the hashed-id counter too).
 SESSION_STAGE_METRICS: dict[str, Family] = {
     "tracejudge_sessions_total": Family("counter", ("app", "status"),
                                         "Closed sessions; status complete or incomplete."),

@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tracejudge.consumer.config import Settings, load_settings
 from tracejudge.consumer.demo.broker import LocalBroker, free_port
-from tracejudge.consumer.stream import StreamRunner
+from tracejudge.consumer.stages.run import StreamRunner
 
 T = TypeVar("T")
 
@@ -232,7 +232,8 @@ class RunnerProcess:
         environ.update({"TRACEJUDGE_KAFKA__SESSION_TIMEOUT_MS": "6000",
                         "TRACEJUDGE_KAFKA__HEARTBEAT_INTERVAL_MS": "1000",
                         "TRACEJUDGE_HTTP__BIND_ADDRESS": "127.0.0.1", **(env or {})})
-        cmd = [sys.executable, "-m", "tracejudge.consumer.cli", *command, "--bootstrap-servers", bootstrap,
+        cmd = [sys.executable, "-m", "tracejudge.consumer.commands.cli", *command, "--bootstrap-servers",
+               bootstrap,
                "--metrics-port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=environ)
 

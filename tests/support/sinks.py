@@ -1,6 +1,6 @@
 """A sink for tests, and the real `tracejudge sink` as a process.
 
-`RecordingSink` implements `tracejudge.consumer.writeback.base.Sink` the way a real sink must: its
+`RecordingSink` implements `tracejudge.consumer.sinks.base.Sink` the way a real sink must: its
 writes are idempotent. Each verdict (trace, judge, judge version) is a file in `directory`, created
 only if absent (`written`), else counted `already_written`; every record a write is offered is
 appended to `attempts.log` ("partition offset" per line), so a test can tell at-least-once delivery
@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from support.kafka import RunnerProcess
-from tracejudge.consumer.writeback.base import RetryLater, Sink, SinkBatch, WriteReport
+from tracejudge.consumer.sinks.base import RetryLater, Sink, SinkBatch, WriteReport
 
 TESTS = Path(__file__).resolve().parent.parent
 

@@ -1,0 +1,1 @@
+"""The `tracejudge` command and the offline commands (`eval`, `calibrate`)."""

@@ -1,0 +1,1 @@
+"""Write-back sinks: verdicts onto traces in MLflow and OpenTelemetry backends."""

@@ -1,0 +1,1 @@
+"""How far a judge can be trusted: canaries, shadow judges, calibration files and agreement statistics."""

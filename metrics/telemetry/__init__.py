@@ -1,0 +1,1 @@
+"""Every Prometheus family tracejudge exports, and the export of one result."""

@@ -1,0 +1,484 @@
+"""OTLP trace messages, as the OpenTelemetry Collector's Kafka exporter writes them, -> `Span`s.
+
+One Kafka record is one `ExportTraceServiceRequest`: encoding `otlp_proto` (the default) is its
+protobuf, `otlp_json` its OTLP/JSON form. A record may mix many traces, resources and services, and the
+spans of one trace are spread across many records, so decoding stops at spans grouped per (resource,
+trace): `SpanGroup`. `tracejudge.consumer.stages.assembly` buffers the groups of a trace until it is whole,
+then `build_trace` makes the format-neutral `Trace`.
+
+OTLP/JSON is not protobuf's canonical JSON: trace and span ids are hex (protobuf JSON would read a
+32-char hex trace id as base64 and silently produce 24 bytes), enums are integers, 64-bit integers
+are decimal strings. It is walked here directly rather than through `json_format`, which is both
+slower and wrong about the ids. Base64 ids, enum names and snake_case field names (what
+`MessageToJson`-style writers produce) are accepted too: their lengths never collide with hex ones.
+
+A record is all-or-nothing: a structurally bad span makes the whole record a `RecordError` naming the
+span's path (`resourceSpans[0].scopeSpans[1].spans[3].traceId`), so a record is either assembled whole
+or dead-lettered whole.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import orjson
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from tracejudge.schemas import errors
+from tracejudge.schemas.errors import RecordError
+from tracejudge.schemas.formats.conventions import (
+    CONTENT_EVENTS,
+    MLFLOW_SESSION,
+    MLFLOW_USER,
+    SESSION_ATTRIBUTES,
+    STATUS_ERROR,
+    STATUS_OK,
+    STATUS_UNSET,
+    USER_ATTRIBUTES,
+    identity,
+    read_content_events,
+    span_from_otel,
+    spans_identity,
+)
+from tracejudge.schemas.trace import Span, SpanStatus, Trace
+
+FORMAT_PROTO: Final = "otlp_proto"
+FORMAT_JSON: Final = "otlp_json"
+FORMATS: Final = (FORMAT_PROTO, FORMAT_JSON)
+
+_ZERO_TRACE: Final = b"\x00" * 16
+_ZERO_SPAN: Final = b"\x00" * 8
+_HEX: Final = frozenset("0123456789abcdefABCDEF")
+# Only these events are read (exceptions, vector-DB hits, message content); other events' attributes
+# are never decoded.
+_READ_EVENTS: Final = frozenset({"exception", "db.query.result", *CONTENT_EVENTS})
+# Span.flags: "has is-remote" (0x100) and "parent is remote" (0x200) both set.
+_REMOTE_PARENT: Final = 0x300
+# Set on a span whose parent lives in another process: a service's entry span. When a trace's real
+# root never reaches the topic (an uninstrumented gateway propagated the context), the entry span
+# stands in for it.
+REMOTE_PARENT_KEY: Final = "tracejudge.parent_is_remote"
+REMOTE_PARENT_ID_KEY: Final = "tracejudge.remote_parent_span_id"
+_STATUS_NAMES: Final = {"STATUS_CODE_UNSET": STATUS_UNSET, "STATUS_CODE_OK": STATUS_OK,
+                        "STATUS_CODE_ERROR": STATUS_ERROR}
+
+
+@dataclass(slots=True)
+class SpanGroup:
+    """The spans of one trace from one resource of one message; `service` is its `service.name`."""
+
+    trace_id: str
+    service: str | None
+    spans: list[Span]
+
+
+def detect_format(payload: bytes | str) -> str:
+    """OTLP/JSON starts with `{`; anything else is read as protobuf.
+
+    Leading spaces, tabs and CRs are skipped but not a newline: 0x0A is also the tag protobuf starts
+    an `ExportTraceServiceRequest` with, and 0x0A 0x7B is a resource of 123 bytes, not JSON.
+    """
+    if isinstance(payload, str):
+        return FORMAT_JSON
+    return FORMAT_JSON if payload[:64].lstrip(b" \t\r")[:1] == b"{" else FORMAT_PROTO
+
+
+_OTLP_JSON_HEAD: Final = re.compile(rb'\s*\{\s*"resource_?(?:[sS]pans|[lL]ogs)"')
+_OTLP_LOGS_JSON_HEAD: Final = re.compile(rb'\s*\{\s*"resource_?[lL]ogs"')
+
+
+def looks_like_otlp_json(line: bytes | str) -> bool:
+    """Cheap sniff, no parsing: a JSON object whose first key is `resourceSpans` (how every OTLP/JSON
+    writer starts), or `resourceLogs` (content log records for those spans). For routing lines of a
+    mixed file to trace assembly."""
+    head = line[:200].encode() if isinstance(line, str) else line[:200]
+    return _OTLP_JSON_HEAD.match(head) is not None
+
+
+def looks_like_otlp_logs_json(line: bytes | str | Mapping[str, Any]) -> bool:
+    if isinstance(line, Mapping):
+        return "resourceLogs" in line or "resource_logs" in line
+    head = line[:200].encode() if isinstance(line, str) else line[:200]
+    return _OTLP_LOGS_JSON_HEAD.match(head) is not None
+
+
+def is_otlp_json(obj: Any) -> bool:
+    """True for a decoded JSON object that is an OTLP trace request (`{"resourceSpans": [...]}`)."""
+    return isinstance(obj, Mapping) and ("resourceSpans" in obj or "resource_spans" in obj)
+
+
+def decode(payload: bytes | str, fmt: str | None = None) -> tuple[str, list[SpanGroup]]:
+    """Decode one record; `fmt` is the topic's configured format, None to detect it per record."""
+    if fmt is None:
+        fmt = detect_format(payload)
+        if fmt == FORMAT_PROTO and isinstance(payload, bytes) and payload.lstrip()[:1] == b"{":
+            # A newline before the JSON: protobuf first, as an 0x0A start is more often protobuf.
+            try:
+                return fmt, decode_proto(payload)
+            except RecordError:
+                return FORMAT_JSON, decode_json(payload)
+    if fmt == FORMAT_JSON:
+        return fmt, decode_json(payload)
+    if fmt == FORMAT_PROTO:
+        if isinstance(payload, str):
+            raise RecordError(errors.INVALID_PROTOBUF, "an otlp_proto record must be bytes, not text")
+        return fmt, decode_proto(payload)
+    raise ValueError(f"unknown OTLP format {fmt!r}; expected one of {', '.join(FORMATS)}")
+
+
+# --- protobuf ---------------------------------------------------------------------------------------
+
+
+def decode_proto(payload: bytes) -> list[SpanGroup]:
+    try:
+        request = ExportTraceServiceRequest.FromString(payload)
+    except DecodeError as exc:
+        hint = " (it starts like JSON: is the topic otlp_json?)" if payload.lstrip()[:1] == b"{" else ""
+        raise RecordError(errors.INVALID_PROTOBUF,
+                          f"not an OTLP ExportTraceServiceRequest: {exc}{hint}") from exc
+    groups: list[SpanGroup] = []
+    for ri, resource_spans in enumerate(request.resource_spans):
+        service = _service(_proto_attributes(resource_spans.resource.attributes))
+        by_trace: dict[bytes, SpanGroup] = {}
+        for si, scope_spans in enumerate(resource_spans.scope_spans):
+            for pi, sp in enumerate(scope_spans.spans):
+                trace_id = sp.trace_id
+                if len(trace_id) != 16 or trace_id == _ZERO_TRACE:
+                    raise RecordError(errors.INVALID_RECORD, _bad_id("trace", 16, trace_id),
+                                      f"{_path(ri, si, pi)}.traceId")
+                span_id = sp.span_id
+                if len(span_id) != 8 or span_id == _ZERO_SPAN:
+                    raise RecordError(errors.INVALID_RECORD, _bad_id("span", 8, span_id),
+                                      f"{_path(ri, si, pi)}.spanId")
+                parent = sp.parent_span_id
+                if parent and len(parent) != 8:
+                    raise RecordError(errors.INVALID_RECORD, _bad_id("parent span", 8, parent),
+                                      f"{_path(ri, si, pi)}.parentSpanId")
+                events = [(e.name, _proto_attributes(e.attributes) if e.name in _READ_EVENTS else {})
+                          for e in sp.events]
+                span = span_from_otel(
+                    span_id=span_id.hex(),
+                    parent_id=parent.hex() if parent and parent != _ZERO_SPAN else None,
+                    name=sp.name,
+                    start_ns=sp.start_time_unix_nano,
+                    end_ns=sp.end_time_unix_nano or None,
+                    status_code=sp.status.code,
+                    status_message=sp.status.message,
+                    attributes=_proto_attributes(sp.attributes),
+                    events=events,
+                )
+                if parent and sp.flags & _REMOTE_PARENT == _REMOTE_PARENT:
+                    span.attributes[REMOTE_PARENT_KEY] = True
+                group = by_trace.get(trace_id)
+                if group is None:
+                    group = by_trace[trace_id] = SpanGroup(trace_id.hex(), service, [])
+                group.spans.append(span)
+        groups.extend(by_trace.values())
+    return groups
+
+
+def _proto_attributes(kvs: Any) -> dict[str, Any]:
+    return {kv.key: _proto_value(kv.value) for kv in kvs}
+
+
+def _proto_value(value: Any) -> Any:
+    which = value.WhichOneof("value")
+    if which == "string_value":
+        return value.string_value
+    if which in ("int_value", "double_value", "bool_value"):
+        return getattr(value, which)
+    if which == "array_value":
+        return [_proto_value(v) for v in value.array_value.values]
+    if which == "kvlist_value":
+        return {kv.key: _proto_value(kv.value) for kv in value.kvlist_value.values}
+    if which == "bytes_value":
+        # As OTLP/JSON writes bytes: base64, so both encodings give the same attribute value.
+        return base64.b64encode(value.bytes_value).decode()
+    return None
+
+
+def _bad_id(what: str, size: int, got: bytes) -> str:
+    if len(got) == size:
+        return f"{what} id is all zeros (invalid)"
+    return f"{what} id must be {size} bytes, got {len(got)}"
+
+
+# --- OTLP/JSON --------------------------------------------------------------------------------------
+
+
+def decode_json(payload: bytes | str | Mapping[str, Any]) -> list[SpanGroup]:
+    """Decode OTLP/JSON (hex ids, integer enums, 64-bit integers as strings)."""
+    if isinstance(payload, Mapping):
+        doc: Any = payload
+    else:
+        try:
+            doc = orjson.loads(payload)
+        except orjson.JSONDecodeError as exc:
+            raise RecordError(errors.INVALID_JSON, errors.not_json(exc)) from exc
+    if not is_otlp_json(doc):
+        raise RecordError(errors.INVALID_RECORD, "an OTLP/JSON trace record must be an object with "
+                          "'resourceSpans'", "resourceSpans")
+    groups: list[SpanGroup] = []
+    for ri, resource_spans in enumerate(_list(_field(doc, "resourceSpans", "resource_spans"),
+                                              "resourceSpans")):
+        where_r = f"resourceSpans[{ri}]"
+        _object(resource_spans, where_r)
+        resource = _field(resource_spans, "resource", "resource") or {}
+        _object(resource, f"{where_r}.resource")
+        service = _service(_json_attributes(resource.get("attributes"), f"{where_r}.resource.attributes"))
+        by_trace: dict[str, SpanGroup] = {}
+        scopes = _list(_field(resource_spans, "scopeSpans", "scope_spans"), f"{where_r}.scopeSpans")
+        for si, scope_spans in enumerate(scopes):
+            _object(scope_spans, f"{where_r}.scopeSpans[{si}]")
+            for pi, sp in enumerate(_list(scope_spans.get("spans"), f"{where_r}.scopeSpans[{si}].spans")):
+                where = _path(ri, si, pi)
+                _object(sp, where)
+                trace_id = _json_id(_field(sp, "traceId", "trace_id"), 16, f"{where}.traceId")
+                if trace_id is None:
+                    raise RecordError(errors.INVALID_RECORD, "traceId is missing", f"{where}.traceId")
+                span_id = _json_id(_field(sp, "spanId", "span_id"), 8, f"{where}.spanId")
+                if span_id is None:
+                    raise RecordError(errors.INVALID_RECORD, "spanId is missing", f"{where}.spanId")
+                parent = _json_id(_field(sp, "parentSpanId", "parent_span_id"), 8, f"{where}.parentSpanId",
+                                  zero_ok=True)
+                status = sp.get("status") or {}
+                _object(status, f"{where}.status")
+                events = []
+                for ei, event in enumerate(_list(sp.get("events"), f"{where}.events")):
+                    _object(event, f"{where}.events[{ei}]")
+                    name = event.get("name") or ""
+                    attrs = (_json_attributes(event.get("attributes"), f"{where}.events[{ei}].attributes")
+                             if name in _READ_EVENTS else {})
+                    events.append((name, attrs))
+                end_ns = _json_int(_field(sp, "endTimeUnixNano", "end_time_unix_nano"),
+                                   f"{where}.endTimeUnixNano")
+                span = span_from_otel(
+                    span_id=span_id,
+                    parent_id=parent,
+                    name=_string(sp.get("name"), f"{where}.name"),
+                    start_ns=_json_int(_field(sp, "startTimeUnixNano", "start_time_unix_nano"),
+                                       f"{where}.startTimeUnixNano"),
+                    end_ns=end_ns or None,
+                    status_code=_status_code(status.get("code"), f"{where}.status.code"),
+                    status_message=_string(status.get("message"), f"{where}.status.message"),
+                    attributes=_json_attributes(sp.get("attributes"), f"{where}.attributes"),
+                    events=events,
+                )
+                if parent and _json_int(sp.get("flags"), f"{where}.flags") & _REMOTE_PARENT == _REMOTE_PARENT:
+                    span.attributes[REMOTE_PARENT_KEY] = True
+                group = by_trace.get(trace_id)
+                if group is None:
+                    group = by_trace[trace_id] = SpanGroup(trace_id, service, [])
+                group.spans.append(span)
+        groups.extend(by_trace.values())
+    return groups
+
+
+def _field(obj: Mapping[str, Any], camel: str, snake: str) -> Any:
+    value = obj.get(camel)
+    return obj.get(snake) if value is None else value
+
+
+def _object(value: Any, where: str) -> None:
+    if not isinstance(value, Mapping):
+        raise RecordError(errors.INVALID_RECORD, f"expected an object, got {type(value).__name__}", where)
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise RecordError(errors.INVALID_RECORD, f"expected an array, got {type(value).__name__}", where)
+    return value
+
+
+def _string(value: Any, where: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise RecordError(errors.INVALID_RECORD, f"expected a string, got {type(value).__name__}", where)
+    return value
+
+
+def _json_id(value: Any, size: int, where: str, *, zero_ok: bool = False) -> str | None:
+    """A hex id (OTLP/JSON), or a base64 one (protobuf JSON), as lowercase hex; "" -> None."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise RecordError(errors.INVALID_RECORD, f"expected a hex string, got {type(value).__name__}", where)
+    if len(value) == 2 * size and _HEX.issuperset(value):
+        hex_id = value.lower()
+    else:
+        # Protobuf JSON writes base64 (16 bytes -> 24 chars, 8 -> 12): never the hex lengths.
+        try:
+            raw = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raw = b""
+        if len(raw) != size:
+            raise RecordError(errors.INVALID_RECORD, f"expected {2 * size} hex characters, got "
+                              f"{errors.describe_value(value)}", where)
+        hex_id = raw.hex()
+    if hex_id.count("0") == 2 * size:
+        if zero_ok:
+            return None
+        raise RecordError(errors.INVALID_RECORD, "id is all zeros (invalid)", where)
+    return hex_id
+
+
+def _json_int(value: Any, where: str) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    raise RecordError(errors.INVALID_RECORD, f"expected an integer (decimal string), got "
+                      f"{errors.describe_value(value)}", where)
+
+
+def _status_code(value: Any, where: str) -> int:
+    if value is None:
+        return STATUS_UNSET
+    if isinstance(value, str) and value in _STATUS_NAMES:
+        return _STATUS_NAMES[value]
+    code = _json_int(value, where)
+    if code not in (STATUS_UNSET, STATUS_OK, STATUS_ERROR):
+        raise RecordError(errors.INVALID_RECORD, f"unknown status code {errors.describe_value(code)}", where)
+    return code
+
+
+def _json_attributes(kvs: Any, where: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for i, kv in enumerate(_list(kvs, where)):
+        if not isinstance(kv, Mapping) or not isinstance(kv.get("key"), str):
+            raise RecordError(errors.INVALID_RECORD, "expected {\"key\": <string>, \"value\": {...}}",
+                              f"{where}[{i}]")
+        out[kv["key"]] = _json_value(kv.get("value"), f"{where}[{i}].value")
+    return out
+
+
+def _json_value(value: Any, where: str) -> Any:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise RecordError(errors.INVALID_RECORD, f"expected an AnyValue object, got {type(value).__name__}",
+                          where)
+    for key, item in value.items():
+        if key in ("stringValue", "string_value"):
+            return _string(item, where)
+        if key in ("intValue", "int_value"):
+            return _json_int(item, where)
+        if key in ("boolValue", "bool_value"):
+            if not isinstance(item, bool):
+                raise RecordError(errors.INVALID_RECORD,
+                                  f"expected true/false, got {errors.describe_value(item)}", where)
+            return item
+        if key in ("doubleValue", "double_value"):
+            return _json_double(item, where)
+        if key in ("arrayValue", "array_value"):
+            values = _list((item or {}).get("values"), f"{where}.arrayValue.values")
+            return [_json_value(v, f"{where}.arrayValue.values[{i}]") for i, v in enumerate(values)]
+        if key in ("kvlistValue", "kvlist_value"):
+            return _json_attributes((item or {}).get("values"), f"{where}.kvlistValue.values")
+        if key in ("bytesValue", "bytes_value"):
+            return _string(item, where)
+    return None
+
+
+def _json_double(value: Any, where: str) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)  # also "NaN", "Infinity", "-Infinity": how JSON spells them
+        except ValueError:
+            pass
+    raise RecordError(errors.INVALID_RECORD, f"expected a number, got {errors.describe_value(value)}", where)
+
+
+# --- both -------------------------------------------------------------------------------------------
+
+
+def _path(ri: int, si: int, pi: int) -> str:
+    return f"resourceSpans[{ri}].scopeSpans[{si}].spans[{pi}]"
+
+
+def _service(resource: Mapping[str, Any]) -> str | None:
+    name = resource.get("service.name")
+    # The SDK's placeholder when the app set no name; it identifies nothing.
+    if not isinstance(name, str) or not name or name.startswith("unknown_service"):
+        return None
+    return name
+
+
+_TAG_PREFIX: Final = "mlflow.traceTag."
+
+
+def build_trace(trace_id: str, spans: Sequence[Span], *, source_format: str, app: str | None = None,
+                complete: bool = True, app_tag: str | None = None,
+                events: Sequence[Any] = (), session_tag: str | None = None) -> Trace:
+    """The assembled `Trace` of one trace's spans (in any order; duplicates by span id dropped).
+
+    `events` are the trace's content log records (`otlp_logs.SpanEvent`s): each is read onto the
+    span it names, in arrival order; one naming no span of the trace is dropped.
+
+    `app` is the service.name of the root span's resource; `app_tag` (`stream.app_tag`) names a trace
+    tag (`mlflow.traceTag.<name>`) or root span attribute whose string value is the app instead.
+
+    Session and user (`conventions.spans_identity`): `session.id` (OpenInference, MLflow's OTLP
+    export), `gen_ai.conversation.id`, Traceloop's `session_id` association property; `user.id`,
+    Traceloop's `user_id`; on the root span, else the first span stating one. `session_tag`
+    (`stream.session_tag`) names a trace tag or span attribute whose value is the session instead.
+    """
+    unique = {s.span_id: s for s in spans}
+    if events:
+        by_span: dict[str, list[tuple[str, Mapping[str, Any]]]] = {}
+        for event in events:
+            if event.span_id in unique:
+                by_span.setdefault(event.span_id, []).append((event.name, event.attributes))
+        for span_id, span_events in by_span.items():
+            read_content_events(unique[span_id], span_events)
+    ordered = sorted(unique.values(), key=lambda s: s.start_ns)
+    root = next((s for s in ordered if s.parent_id is None), None)
+    if root is None:
+        root = next((s for s in ordered if s.attributes.get(REMOTE_PARENT_KEY) and s.parent_id not in unique),
+                    None)
+        if root is not None:
+            # The entry span of the first instrumented service is the root of what was recorded.
+            root.attributes[REMOTE_PARENT_ID_KEY] = root.parent_id
+            root.parent_id = None
+    trace = Trace(trace_id=trace_id, spans=ordered, source_format=source_format, app=app,
+                  complete=complete)
+    if root is not None:
+        trace.state = "ERROR" if root.status is SpanStatus.ERROR else "OK"
+        trace.request_time_ms = root.start_ns // 1_000_000
+        if root.end_ns is not None and root.end_ns >= root.start_ns:
+            # A root ending before it starts states no duration: derivation names it (end_before_start).
+            trace.duration_ms = (root.end_ns - root.start_ns) / 1e6
+        for key, value in root.attributes.items():
+            if key.startswith(_TAG_PREFIX) and isinstance(value, str):
+                trace.tags[key[len(_TAG_PREFIX):]] = value
+        if app_tag:
+            tagged = trace.tags.get(app_tag) or root.attributes.get(app_tag)
+            if isinstance(tagged, str) and tagged:
+                trace.app = tagged
+    session = None
+    if session_tag:
+        session = identity(trace.tags.get(session_tag)) or spans_identity(ordered, root, (session_tag,))
+    trace.session_id = session or spans_identity(ordered, root, SESSION_ATTRIBUTES)
+    trace.user_id = spans_identity(ordered, root, USER_ATTRIBUTES)
+    # As MLflow's OTLP ingest stores them.
+    if trace.session_id is not None:
+        trace.metadata[MLFLOW_SESSION] = trace.session_id
+    if trace.user_id is not None:
+        trace.metadata[MLFLOW_USER] = trace.user_id
+    return trace
