@@ -18,8 +18,8 @@ import orjson
 import pytest
 
 TRACEJUDGE = str(Path(sys.executable).parent / "tracejudge")
-KIT = Path(__file__).resolve().parents[1] / "metrics" / "judges" / "trust" / "calibration_kit" /
-"groundedness.jsonl"
+TRUST = Path(__file__).resolve().parents[1] / "metrics" / "judges" / "trust"
+KIT = TRUST / "calibration_kit" / "groundedness.jsonl"
 OK, GATE, USAGE, OUTPUT, INTERRUPTED = 0, 1, 2, 3, 130
 
 
