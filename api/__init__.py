@@ -18,26 +18,30 @@ the session judges (`user_frustration`, heuristic without an endpoint), as `trac
     session = evaluate_session([{"request": "Reset my password?", "response": "Use the sign-in link."},
                                 {"request": "Forget it.", "response": "Sorry."}], judges={})
     session.metrics["turns"], session.assessment("user_frustration").value
+
+What to catch: `RecordError` for a record that cannot be read, `ConfigError` for a configuration that
+cannot work (`JudgeConfigError`, the `judges:` section's, and `MetricLoadError`, a custom metric's, are
+kinds of it; each names the key path). All are defined in `tracejudge.schemas.errors`.
 """
 
 from tracejudge.evaluator import Evaluator, evaluate, evaluate_session
-from tracejudge.metrics.judges.config import JudgeConfigError
 from tracejudge.metrics.judges.runner import JudgeRunner
-from tracejudge.schemas.errors import RecordError
+from tracejudge.schemas.errors import ConfigError, JudgeConfigError, MetricLoadError, RecordError
 from tracejudge.schemas.record import Document, EvalRecord, TokenUsage, ToolCall
 from tracejudge.schemas.result import Assessment, EvaluationResult
 from tracejudge.schemas.session import SessionResult
-
-__version__ = "0.1.0"
+from tracejudge.schemas.version import __version__
 
 __all__ = [
     "Assessment",
+    "ConfigError",
     "Document",
     "EvalRecord",
     "EvaluationResult",
     "Evaluator",
     "JudgeConfigError",
     "JudgeRunner",
+    "MetricLoadError",
     "RecordError",
     "SessionResult",
     "TokenUsage",

@@ -161,14 +161,10 @@ def build_session_judges(settings: Settings, registry: CollectorRegistry | None 
         return None
     from prometheus_client import CollectorRegistry
 
-    from tracejudge.consumer.config import ConfigError
-    from tracejudge.metrics.judges.config import JudgeConfigError
     from tracejudge.metrics.judges.sessions import SessionJudgeRunner
 
-    try:
-        return SessionJudgeRunner(judges, registry if registry is not None else CollectorRegistry())
-    except JudgeConfigError as exc:
-        raise ConfigError([(exc.key, exc.detail)]) from None
+    # A bad section raises `JudgeConfigError`, a `ConfigError` (tracejudge.schemas.errors).
+    return SessionJudgeRunner(judges, registry if registry is not None else CollectorRegistry())
 
 
 def api_session_id(turns: Sequence[Turn]) -> str:

@@ -127,11 +127,8 @@ def measure(
         gc.collect()
         for i, batch in enumerate(batches):
             for enabled in (True, False) if (r + i) % 2 == 0 else (False, True):
-                # Every round sees the batch's texts as new, as a stream sees each record once (the
-                # prompt templates' lines are remembered again from the batch's first record on).
-                redactor = runners[enabled].redactor
-                if redactor is not None:
-                    redactor.forget()
+                # Every round sees the batch's texts as new, as a stream sees each record once: a
+                # judgement's memo of line findings is its own, nothing is remembered across them.
                 meter.reset()
                 t0 = time.process_time()
                 n = sum(bool(a.redacted) for x in runners[enabled].judge_many(batch) for a in x)

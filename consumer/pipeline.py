@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from tracejudge.metrics.computed import ComputedMetrics, MetricLoadError
+from tracejudge.metrics.computed import ComputedMetrics
 from tracejudge.metrics.cost import COST_ERROR_KEY, PriceTable, trace_cost
 from tracejudge.schemas.formats.detect import normalise
 from tracejudge.schemas.record import EvalRecord
@@ -61,13 +61,8 @@ class Pipeline:
 def build_pipeline(settings: Settings) -> Pipeline:
     """The pipeline the settings describe (computed-metric options, custom metric functions, app tag).
     Raises `ConfigError` naming the key when a custom metric function cannot be loaded."""
-    from tracejudge.consumer.config import ConfigError
-
-    try:
-        metrics = ComputedMetrics.from_config(settings.metrics)
-    except MetricLoadError as exc:
-        key, _, detail = str(exc).partition(": ")
-        raise ConfigError([(key, detail)]) from None
+    # A function that cannot be loaded raises `MetricLoadError`, a `ConfigError` naming its key.
+    metrics = ComputedMetrics.from_config(settings.metrics)
     return Pipeline(metrics=metrics, app_tag=settings.stream.app_tag, session_tag=settings.stream.session_tag)
 
 
@@ -77,14 +72,10 @@ def build_judges(settings: Settings, registry: CollectorRegistry | None = None,
     `registry` (a private one by default) with `app_label` bounding the app values."""
     if settings.judges is None:
         return None
-    from tracejudge.consumer.config import ConfigError
-    from tracejudge.metrics.judges.config import JudgeConfigError
     from tracejudge.metrics.judges.runner import JudgeRunner
 
-    try:
-        return JudgeRunner(settings.judges, registry=registry, app_label=app_label)
-    except JudgeConfigError as exc:
-        raise ConfigError([(exc.key, exc.detail)]) from None
+    # A bad section raises `JudgeConfigError`, a `ConfigError` naming the key.
+    return JudgeRunner(settings.judges, registry=registry, app_label=app_label)
 
 
 def with_judgements(results: Iterable[EvaluationResult], judges: JudgeRunner) -> Iterator[EvaluationResult]:

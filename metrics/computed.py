@@ -8,7 +8,6 @@ inputs are absent is left out of the result rather than reported as 0: "no refer
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -16,8 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
+from tracejudge.metrics.plugins import load_plugin
+from tracejudge.metrics.sections import Section
+from tracejudge.schemas.errors import ConfigError, MetricLoadError
 from tracejudge.schemas.record import EvalRecord, ToolCall
 
 # Metrics whose value is a ratio in [0, 1]: these are what `tracejudge_metric_value` histograms.
@@ -32,10 +34,8 @@ RATIO_METRICS = frozenset({
 })
 
 
-class CustomMetricConfig(BaseModel):
+class CustomMetricConfig(Section):
     """`metrics.custom[]` in the configuration file."""
-
-    model_config = ConfigDict(extra="forbid")
 
     name: str = Field(pattern=r"^[a-zA-Z_][a-zA-Z0-9_]*$")
     # "package.module:function" or "package.module.function".
@@ -44,8 +44,8 @@ class CustomMetricConfig(BaseModel):
     ratio: bool = False
 
 
-class TrajectoryConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TrajectoryConfig(Section):
+    """`metrics.trajectory` in the configuration file."""
 
     # The tool whose use `trajectory_single_tool_use` checks; the metric is off when unset.
     single_tool_use: str | None = None
@@ -53,17 +53,15 @@ class TrajectoryConfig(BaseModel):
     reference: list[ToolCallConfig] | None = None
 
 
-class ToolCallConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ToolCallConfig(Section):
+    """One tool call of `metrics.trajectory.reference`."""
 
     tool_name: str
     tool_input: Any = None
 
 
-class MetricsConfig(BaseModel):
+class MetricsConfig(Section):
     """The `metrics:` section of the configuration file."""
-
-    model_config = ConfigDict(extra="forbid")
 
     custom: list[CustomMetricConfig] = Field(default_factory=list)
     trajectory: TrajectoryConfig = Field(default_factory=TrajectoryConfig)
@@ -84,10 +82,6 @@ BUILTIN_METRICS = frozenset({
 }) | RATIO_METRICS
 
 
-class MetricLoadError(ValueError):
-    """A custom metric's function could not be imported; raised at start-up, before any record."""
-
-
 @dataclass(frozen=True, slots=True)
 class CustomMetric:
     """A user function `f(record: EvalRecord) -> float | dict[str, float] | None`."""
@@ -98,22 +92,13 @@ class CustomMetric:
 
     @classmethod
     def load(cls, config: CustomMetricConfig) -> CustomMetric:
-        path = config.function
-        module_name, sep, attr = path.partition(":")
-        if not sep:
-            module_name, _, attr = path.rpartition(".")
-        if not module_name or not attr:
-            raise MetricLoadError(f"metrics.custom[{config.name}].function: {path!r} is not a dotted path "
-                                  "like 'package.module:function'")
+        """Import the function (`tracejudge.metrics.plugins`); `MetricLoadError` (a `ConfigError`) names
+        `metrics.custom[<name>].function` when it cannot be had."""
+        key = f"metrics.custom[{config.name}].function"
         try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise MetricLoadError(f"metrics.custom[{config.name}].function: cannot import {module_name!r}: "
-                                  f"{exc}") from exc
-        fn = getattr(module, attr, None)
-        if not callable(fn):
-            raise MetricLoadError(f"metrics.custom[{config.name}].function: {module_name!r} has no callable "
-                                  f"{attr!r}")
+            fn = load_plugin(config.function, key=key, noun="callable", accept=callable, dotted=True)
+        except ConfigError as exc:
+            raise MetricLoadError(exc.problems) from None
         return cls(config.name, fn, config.ratio)
 
 

@@ -42,7 +42,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from tracejudge.schemas.record import Cost, EvalRecord, TokenUsage
 
 if TYPE_CHECKING:
-    from tracejudge.metrics.judges.config import EndpointConfig
+    from tracejudge.metrics.judges.endpoints import EndpointConfig
 
 __all__ = [
     "COST_ERROR_KEY",

@@ -1,16 +1,40 @@
-"""Why a record could not become an evaluation record.
+"""Every exception a user of tracejudge catches, in one place, and why a record could not be read.
 
-`reason` is a short, bounded token (it becomes the `reason` label of `tracejudge_dead_letters_total`
-and a dead-letter header); `detail` is the human message naming the field and position. Parsers
-raise `RecordError`; nothing else about a bad record may escape as a bare exception.
+What a user catches, and when:
+
+- `RecordError`: a record that cannot be decoded or normalised (`reason` is a bounded token, the
+  `reason` label of `tracejudge_dead_letters_total`; `detail` names the field). Raised by every parser.
+- `ConfigError`: an invalid configuration, before anything connects or any record is read. `problems`
+  is a list of (key path, message), all reported together; `key` / `detail` are the first one's. Raised
+  where the problem is found: a section's validation, a plug-in spec (`package.module:attr`) that does
+  not load, a file a key names that cannot be read.
+- `JudgeConfigError`: a `ConfigError` of the `judges:` section (`key` starts with `judges.`).
+- `MetricLoadError`: a `ConfigError` of a custom metric function (`metrics.custom[name].function`).
+- `LabelsError`: a source of human labels that cannot be read at all (`tracejudge calibrate`).
+- `InputError` / `OutputError`: `tracejudge eval` cannot read an input (exit status 2) or write an
+  output (exit status 3).
+- `BackfillError`: `tracejudge backfill` cannot start (bad arguments, no judges, unknown topic).
+- `StartupError`: a stage could not start (broker unreachable, port taken).
+- `BadResult`: a results-topic line that is not a tracejudge result this code can read
+  (`tracejudge.schemas.results_line`, re-exported here).
+- `RetryLater`: raised by a write-back sink, not caught by users (`tracejudge.consumer.sinks.base`).
+
+The `RecordError` helpers below (`not_json`, `describe_value`, `exception_text`) word a bad record's
+message without quoting its content. The face (`tracejudge`) exports the ones a library user meets.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Final
+
+from tracejudge.schemas.results_line import BadResult
+
+__all__ = ["REASONS", "BackfillError", "BadResult", "ConfigError", "InputError", "JudgeConfigError",
+           "LabelsError", "MetricLoadError", "OutputError", "RecordError", "StartupError", "describe_value",
+           "exception_text", "not_json", "unquoted"]
 
 # The closed set of reasons. Adding one is fine; never put free text in `reason`.
 INVALID_JSON: Final = "invalid_json"
@@ -42,6 +66,71 @@ class RecordError(ValueError):
     @property
     def message(self) -> str:
         return f"{self.field}: {self.detail}" if self.field else self.detail
+
+
+class ConfigError(ValueError):
+    """An invalid configuration: `problems` is a list of (key path, message), all reported together.
+
+    `ConfigError("kafka.group_id", "must not be empty")` is one problem; `ConfigError([(key, message),
+    ...])` several. Raised inside a pydantic validator, its key is relative to the model being
+    validated (the loader prefixes the model's own path); it is a `ValueError` so pydantic carries it.
+    """
+
+    def __init__(self, problems: Sequence[tuple[str, str]] | str, detail: str | None = None):
+        if isinstance(problems, str):
+            problems = [(problems, detail or "")]
+        self.problems = list(problems)
+        super().__init__("; ".join(f"{k}: {m}" if k else m for k, m in self.problems))
+
+    @property
+    def key(self) -> str:
+        """The key path of the first problem."""
+        return self.problems[0][0] if self.problems else ""
+
+    @property
+    def detail(self) -> str:
+        """What is wrong with the first problem's key."""
+        return self.problems[0][1] if self.problems else ""
+
+    def report(self) -> str:
+        lines = [f"  {key}: {msg}" if key else f"  {msg}" for key, msg in self.problems]
+        return "invalid configuration:\n" + "\n".join(lines)
+
+
+class JudgeConfigError(ConfigError):
+    """A configuration error of the `judges:` section, reported before anything runs."""
+
+    def __init__(self, key: str, detail: str):
+        super().__init__(key, detail)
+
+
+class MetricLoadError(ConfigError):
+    """A custom metric's function could not be imported; raised at start-up, before any record."""
+
+
+class LabelsError(Exception):
+    """A labels source that cannot be read at all (a missing file, an unreachable server)."""
+
+
+class InputError(Exception):
+    """An input that cannot be read at all, or an invalid option: exit status 2."""
+
+
+class OutputError(Exception):
+    """An output that cannot be written (disk full, permission denied, a closed pipe): exit status 3."""
+
+    def __init__(self, name: str, exc: OSError) -> None:
+        self.name = name
+        self.broken_pipe = isinstance(exc, BrokenPipeError)
+        super().__init__(f"cannot write {name}: {exc.strerror or exc}")
+
+
+class BackfillError(Exception):
+    """Cannot start: bad arguments, no judges, no results topic, unknown topic."""
+
+
+class StartupError(RuntimeError):
+    """The runtime could not start (broker unreachable, port taken); the message says what to fix."""
 
 
 def not_json(exc: ValueError) -> str:

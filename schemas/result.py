@@ -96,7 +96,7 @@ def why_not_passed(assessments: Sequence[Assessment]) -> list[str]:
 
 
 # Anything a payload decoded from JSON can hold is written natively; `str()` is the last resort (as
-# `derive.json_text` does) so one odd value in a custom metric's output cannot lose the result line.
+# `derive_text.json_text` does) so one odd value in a custom metric's output cannot lose the result line.
 _ENCODER = msgspec.json.Encoder(enc_hook=str)
 
 # 1: the fields of the first release. 2: `schema_version`, `mlflow_trace_id`; each assessment's

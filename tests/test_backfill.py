@@ -15,9 +15,8 @@ import pytest
 from kafka import KafkaProducer
 from support.kafka import partition_count, read_topic, settings, unique
 
-from tracejudge.consumer.commands import cli
+from tracejudge.consumer.commands import backfill, cli
 from tracejudge.consumer.demo.broker import LocalBroker
-from tracejudge.consumer.stages import backfill
 from tracejudge.consumer.stages.backfill import BackfillError, BackfillRun, parse_time, run_id
 
 BASE = 1_763_625_600.0  # 2025-11-20T08:00:00Z

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from support.clock import FakeClock
 from support.openai_stub import OpenAIStub, Reply, StubRequest, wait_until
 
-from tracejudge.metrics.judges.client import CircuitBreaker
+from tracejudge.metrics.judges.breaker import CircuitBreaker
 from tracejudge.metrics.judges.runner import JudgeRunner
 from tracejudge.schemas.record import Document, EvalRecord
 from tracejudge.schemas.result import Assessment

@@ -27,6 +27,7 @@ from tracejudge.consumer.stages.decoding import (
     DECODE,
     Decoded,
     DecodePool,
+    WorkerPoolDecoder,
     WorkerStartError,
     _batch,
     _batch_parts,
@@ -36,7 +37,7 @@ from tracejudge.consumer.stages.decoding import (
     available_cpus,
     decode_one,
 )
-from tracejudge.consumer.stages.run import RecordProcessor
+from tracejudge.consumer.stages.processing import RecordProcessor
 from tracejudge.metrics.telemetry.evaluation import PrometheusExporter
 
 
@@ -170,13 +171,9 @@ def test_a_record_that_fails_past_decoding_is_dead_lettered_and_its_offset_relea
     exporter, tracker = PrometheusExporter(), OffsetTracker()
     dead_letters = DeadLetterSink(None, None, exporter)
     results = ResultSink(None, None, exporter, dead_letters)
+    pool = WorkerPoolDecoder(settings_with(), 1).start(timeout=60) if workers else None
     processor = RecordProcessor(Pipeline(), tracker, exporter, results, dead_letters, {"t": "mlflow"},
-                                max_record_bytes=1 << 20, judge=lambda record: None)
-    pool = None
-    if workers:
-        pool = DecodePool(settings_with(), 1, on_decoded=processor.finish_decoded,
-                          on_lost=processor.decode_here).start(timeout=60)
-        processor.decoder = pool
+                                max_record_bytes=1 << 20, judge=lambda record: None, decoder=pool)
     tp = TopicPartition("t", 0)
     try:
         for offset, trace in enumerate(agent_traces(5, seed=8)):

@@ -21,7 +21,8 @@ from support.mlflow_server import free_port, shared_mlflow_server
 
 from tracejudge.consumer.demo.agent import APP_TAG, AgentSettings, SyntheticRagAgent
 from tracejudge.consumer.demo.broker import LocalBroker
-from tracejudge.consumer.demo.command import AppCounts, ProducerStats, Samples, Summary, histogram_quantile
+from tracejudge.consumer.demo.producer import AppCounts, ProducerStats
+from tracejudge.consumer.demo.summary import Samples, Summary, histogram_quantile
 from tracejudge.consumer.pipeline import Pipeline
 from tracejudge.metrics.judges.heuristic import HeuristicGroundedness
 from tracejudge.metrics.judges.series import JudgeMetrics

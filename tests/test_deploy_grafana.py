@@ -336,3 +336,46 @@ def test_extraction_command_line_prints_one_resolved_query_per_line() -> None:
 ])
 def test_metric_names_reads_selectors_not_functions_labels_or_keywords(expr: str, names: set[str]) -> None:
     assert promql().metric_names(expr) == names
+
+
+# --- zero, not "No data" (issue 26) -------------------------------------------------------------------
+
+# Counters of things that went wrong or were left out: while none happened they have no series at all.
+BAD_EVENT_FAMILY = re.compile(r"_(errors|skipped|dead_letters|retries)_total$"
+                              r"|errors:ratio|dead_lettered:ratio")
+
+
+@pytest.mark.parametrize("name", sorted(dashboards()))
+def test_every_panel_says_why_it_can_be_empty(name: str) -> None:
+    """Grafana shows a panel's "No value" text instead of a bare "No data": each panel names what is
+    missing when it has nothing to draw (no calibration, no canaries, the stage not running, ...)."""
+    for panel in panels(dashboards()[name]):
+        reason = panel["fieldConfig"]["defaults"].get("noValue")
+        assert isinstance(reason, str) and reason.strip(), f"{panel['title']}: no noValue"
+        assert reason.strip().lower() != "no data", panel["title"]
+
+
+@pytest.mark.parametrize("name", sorted(dashboards()))
+def test_bad_event_panels_have_a_line_that_says_zero(name: str) -> None:
+    """A panel of errors, skips, dead letters or retries has a target that falls back to 0 per group
+    where there was activity (`or on (<its labels>) 0 * <activity>`), so it says 0 before the first one."""
+    for panel in panels(dashboards()[name]):
+        exprs = [t["expr"] for t in panel["targets"]]
+        if not any(BAD_EVENT_FAMILY.search(f) for e in exprs for f in families(e)):
+            continue
+        fallbacks = [e for e in exprs if re.search(r"\bor on \([\w, ]*\) 0 \* ", e)]
+        assert fallbacks, f"{panel['title']}: empty (No data) until the first bad event"
+
+
+@pytest.mark.parametrize("name", sorted(dashboards()))
+def test_zero_fallbacks_keep_the_panel_grouping(name: str) -> None:
+    """`or vector(0)` would be one label-less series, a 0 for a judge, topic or sink that does not
+    exist; the fallback matches `on` exactly the labels the query keeps."""
+    for panel in panels(dashboards()[name]):
+        for target in panel["targets"]:
+            expr = target["expr"]
+            assert "vector(" not in expr, f"{panel['title']}: vector() in {expr}"
+            for on in re.findall(r"\bor on \(([\w, ]*)\)", expr):
+                kept = {label.strip() for label in on.split(",") if label.strip()}
+                legend = set(re.findall(r"\{\{(\w+)\}\}", target["legendFormat"]))
+                assert legend <= kept, f"{panel['title']}: legend {legend} but fallback on {kept}"

@@ -66,7 +66,7 @@ def test_each_sink_exports_its_contract_metrics_with_their_labels() -> None:
 
 
 def test_the_sink_runtime_exports_lag_batches_and_dead_letters_with_their_labels() -> None:
-    from tracejudge.consumer.stages.sink import SinkMetrics
+    from tracejudge.metrics.telemetry.sinks import SinkMetrics
 
     real = families(SinkMetrics(CollectorRegistry(), "mlflow"))
     for name in ("tracejudge_sink_lag_records", "tracejudge_sink_batches_total",
@@ -77,7 +77,7 @@ def test_the_sink_runtime_exports_lag_batches_and_dead_letters_with_their_labels
 
 
 def test_every_sink_contract_metric_has_an_exporter() -> None:
-    from tracejudge.consumer.stages.sink import SinkMetrics
+    from tracejudge.metrics.telemetry.sinks import SinkMetrics
 
     runtime = families(SinkMetrics(CollectorRegistry(), "otlp"))
     for kind, real in sink_families().items():

@@ -13,8 +13,9 @@ import pytest
 from support.clock import FakeClock
 from support.openai_stub import OpenAIStub, Reply, StubRequest
 
-from tracejudge.metrics.judges.client import CircuitBreaker, JudgeCallError, JudgeClient, parse_retry_after
-from tracejudge.metrics.judges.config import EndpointConfig
+from tracejudge.metrics.judges.breaker import CircuitBreaker, JudgeCallError
+from tracejudge.metrics.judges.client import JudgeClient, parse_retry_after
+from tracejudge.metrics.judges.endpoints import EndpointConfig
 
 MESSAGES = [{"role": "user", "content": "Is the sky blue? Answer in JSON."}]
 SCHEMA = {"type": "object", "properties": {"result": {"type": "string"}}, "required": ["result"]}

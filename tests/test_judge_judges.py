@@ -11,7 +11,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 from support.openai_stub import OpenAIStub, Reply, StubRequest
 
-from tracejudge.metrics.judges.builtin import (
+from tracejudge.metrics.judges.base import (
     JudgeAnswerError,
     parse_json_answer,
     parse_verdict,

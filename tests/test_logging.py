@@ -16,7 +16,7 @@ from tracejudge.consumer.config import LoggingSettings
 from tracejudge.consumer.runtime.logs import KAFKA_CONNECTION_LOGS, KafkaConnectionLogs
 from tracejudge.consumer.stages.run import configure_logging
 from tracejudge.metrics.judges.client import JudgeClient
-from tracejudge.metrics.judges.config import EndpointConfig
+from tracejudge.metrics.judges.endpoints import EndpointConfig
 
 _TOUCHED = ("", "httpx", "httpcore", "kafka", "kafka.net.manager", "kafka.net.connection",
             "kafka.net.transport", "kafka.net.inet", "kafka.cluster", "kafka.coordinator",

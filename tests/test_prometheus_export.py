@@ -13,7 +13,8 @@ from support.kafka import agent_traces, samples, value
 
 from tracejudge.consumer.pipeline import Pipeline
 from tracejudge.consumer.runtime.http import OperationsServer
-from tracejudge.metrics.telemetry.evaluation import OTHER_APP, UNKNOWN_APP, PrometheusExporter
+from tracejudge.metrics.app_labels import OTHER_APP, UNKNOWN_APP
+from tracejudge.metrics.telemetry.evaluation import PrometheusExporter
 from tracejudge.schemas.record import Document, EvalRecord, ToolCall
 from tracejudge.schemas.result import EvaluationResult, SourceRef
 

@@ -38,18 +38,17 @@ from support.sinks import TESTS, RecordingSink, SinkProcess, attempted, verdict_
 from tracejudge.consumer.config import Settings, load_settings
 from tracejudge.consumer.demo.broker import free_port
 from tracejudge.consumer.runtime import producing as topics
-from tracejudge.consumer.stages.sink import (
+from tracejudge.consumer.stages.sink import SinkRunner, sink_settings_type
+from tracejudge.schemas.record import EvalRecord
+from tracejudge.schemas.result import Assessment, EvaluationResult, SourceRef
+from tracejudge.schemas.results_line import (
     INVALID_JSON,
     KNOWN_SCHEMA_VERSION,
     NOT_A_RESULT,
     UNKNOWN_SCHEMA_VERSION,
     BadResult,
-    SinkRunner,
     decode_result,
-    sink_settings_type,
 )
-from tracejudge.schemas.record import EvalRecord
-from tracejudge.schemas.result import Assessment, EvaluationResult, SourceRef
 
 JUDGES = ("groundedness", "relevance_to_query")
 

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
+from tracejudge.consumer.commands.run import add_arguments, main, settings_from_args
 from tracejudge.consumer.config import ConfigError, load_settings
-from tracejudge.consumer.stages.run import add_arguments, main, settings_from_args
 
 SECRET = "s3cr3t-Pa55"
 
@@ -197,9 +197,9 @@ def test_invalid_configuration_exits_2_before_connecting_to_anything():
         listener.bind(("127.0.0.1", 0))
         listener.listen(8)
         listener.setblocking(False)
-        proc = subprocess.run([sys.executable, "-m", "tracejudge.consumer.stages.run", "--bootstrap-servers",
-                               f"127.0.0.1:{listener.getsockname()[1]}", "--topic", "traces",
-                               "--metrics-port", "-1"],
+        proc = subprocess.run([sys.executable, "-m", "tracejudge.consumer.commands.run",
+                               "--bootstrap-servers", f"127.0.0.1:{listener.getsockname()[1]}",
+                               "--topic", "traces", "--metrics-port", "-1"],
                               capture_output=True, text=True, timeout=120, check=False,
                               env={"PATH": "/usr/bin:/bin", "TRACEJUDGE_KAFKA__SESSION_TIMEOUT_MS": "0"})
         with pytest.raises(BlockingIOError):

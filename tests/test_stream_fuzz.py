@@ -34,7 +34,7 @@ from tracejudge.consumer.runtime import producing as sinks
 from tracejudge.consumer.runtime.offsets import OffsetTracker
 from tracejudge.consumer.runtime.producing import DeadLetterSink, ResultSink
 from tracejudge.consumer.stages.assembly import AssemblySettings, TraceAssembler
-from tracejudge.consumer.stages.run import RecordProcessor
+from tracejudge.consumer.stages.processing import RecordProcessor
 from tracejudge.metrics.telemetry.evaluation import PrometheusExporter
 from tracejudge.schemas.errors import REASONS
 

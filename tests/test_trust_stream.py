@@ -215,7 +215,8 @@ def test_the_agreement_stage_joins_labels_and_verdicts_and_counts_the_unmatched(
 def test_the_join_is_bounded(tmp_path):
     from prometheus_client import CollectorRegistry
 
-    from tracejudge.consumer.stages.agreement import AgreementMetrics, Joiner
+    from tracejudge.consumer.stages.agreement import Joiner
+    from tracejudge.metrics.telemetry.agreement import AgreementMetrics
 
     metrics = AgreementMetrics(CollectorRegistry(), max_apps=5, judges=["groundedness"])
     joiner = Joiner(metrics, window_s=10, max_pending=2)

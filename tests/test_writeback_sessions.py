@@ -37,16 +37,15 @@ from tracejudge.consumer.config import ConfigError, load_settings
 from tracejudge.consumer.sinks.base import RetryLater, SinkBatch, SinkRecord
 from tracejudge.consumer.sinks.mlflow import SESSION_ID_KEY, MlflowSink, MlflowSinkSettings
 from tracejudge.consumer.sinks.otlp import EVENT_NAME, OtlpSink, OtlpSinkSettings
-from tracejudge.consumer.stages.sink import (
+from tracejudge.consumer.stages.sink import SinkRunner, plan_sink
+from tracejudge.schemas.result import SCHEMA_VERSION, Assessment, JudgeIdentity
+from tracejudge.schemas.results_line import (
     NOT_A_RESULT,
     UNKNOWN_SCHEMA_VERSION,
     BadResult,
-    SinkRunner,
     decode_line,
     decode_result,
-    plan_sink,
 )
-from tracejudge.schemas.result import SCHEMA_VERSION, Assessment, JudgeIdentity
 from tracejudge.schemas.session import SessionResult, SessionSource, TurnRef
 
 SESSIONS_TOPIC = "tracejudge-session-results"

@@ -32,24 +32,19 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import IO
 
-from tracejudge.consumer.commands.eval import FileEvaluation, Summary
-from tracejudge.consumer.commands.files import (
-    AtomicOutput,
-    InputError,
-    OutputError,
-    open_input,
-    open_inputs,
-    refuse_overwriting_inputs,
-)
+from tracejudge.consumer.commands.eval import FileEvaluation
+from tracejudge.consumer.commands.outputs import AtomicOutput, OutputError, refuse_overwriting_inputs
 from tracejudge.consumer.config import ConfigError, Settings, load_settings
 from tracejudge.consumer.pipeline import build_pipeline
 from tracejudge.consumer.runtime import exit_status
 from tracejudge.consumer.runtime.arguments import add_config_argument
-from tracejudge.metrics.judges.config import JudgeConfigError, JudgesConfig, JudgeSettings, load_judges_config
+from tracejudge.metrics.judges.config import JudgesConfig, JudgeSettings, load_judges_config
 from tracejudge.metrics.judges.runner import JudgeRunner
 from tracejudge.metrics.judges.trust.agreement import MINIMUM_LABELS, Agreement, Confusion
 from tracejudge.metrics.judges.trust.calibration import Calibration, CalibrationError, CalibrationFile, load
+from tracejudge.metrics.summary import Summary
 from tracejudge.schemas.formats.detect import BINARY_FORMATS, INPUT_FORMATS
+from tracejudge.schemas.formats.input_files import InputError, open_input, open_inputs
 from tracejudge.schemas.formats.labels import LabelsError, LabelSet
 from tracejudge.schemas.record import EvalRecord
 from tracejudge.schemas.result import JudgeIdentity
@@ -157,11 +152,9 @@ def _labelled(results: Iterator, labels: LabelSet, judges: list[str],
 
 
 def _build(settings: Settings) -> JudgeRunner:
-    try:
-        config = judge_every_record(load_judges_config(settings.judges or {}).for_offline())
-        return JudgeRunner(config)
-    except JudgeConfigError as exc:
-        raise ConfigError([(exc.key, exc.detail)]) from None
+    # A bad section raises `JudgeConfigError`, a `ConfigError` naming the key.
+    config = judge_every_record(load_judges_config(settings.judges or {}).for_offline())
+    return JudgeRunner(config)
 
 
 def main(args: argparse.Namespace, out: IO[str] | None = None) -> int:
@@ -253,7 +246,7 @@ def _check_mergeable(path: str | None) -> None:
 
 def _write_calibration(path: str, calibrations: CalibrationFile) -> None:
     """`calibrations` merged into what `path` holds (other judges and versions kept, the same version
-    replaced), written beside it and renamed into place (`files.AtomicOutput`): a failed write leaves
+    replaced), written beside it and renamed into place (`outputs.AtomicOutput`): a failed write leaves
     the previous file as it was. Raises `CalibrationError` (the file became unreadable) or
     `OutputError`."""
     merged = load(path) if os.path.isfile(path) else CalibrationFile()

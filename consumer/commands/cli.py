@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from tracejudge import __version__
-from tracejudge.consumer.commands.files import silence_stdout
+from tracejudge.consumer.commands.outputs import silence_stdout
 from tracejudge.consumer.runtime import exit_status
 from tracejudge.consumer.runtime.logs import configure_library_logs
 
@@ -24,16 +24,16 @@ SUBCOMMANDS = {
              "evaluate JSON Lines files offline (same scores as the stream)"),
     "calibrate": ("tracejudge.consumer.commands.calibrate", "measure the judges' agreement with human labels "
                                                    "and write a calibration file"),
-    "run": ("tracejudge.consumer.stages.run", "consume traces from Kafka and export quality to Prometheus"),
-    "sessions": ("tracejudge.consumer.stages.sessions",
+    "run": ("tracejudge.consumer.commands.run", "consume traces from Kafka and export quality to Prometheus"),
+    "sessions": ("tracejudge.consumer.commands.sessions",
                  "gather the trace results into conversations and evaluate "
                                                  "each session when it goes quiet"),
-    "sink": ("tracejudge.consumer.stages.sink", "write the judges' verdicts from the results topic back to "
+    "sink": ("tracejudge.consumer.commands.sink", "write the judges' verdicts from the results topic back to "
                                                "MLflow or an OpenTelemetry collector"),
-    "agreement": ("tracejudge.consumer.stages.agreement",
+    "agreement": ("tracejudge.consumer.commands.agreement",
                   "join human labels from a labels topic with the judges' "
                                                    "verdicts and export their agreement"),
-    "backfill": ("tracejudge.consumer.stages.backfill",
+    "backfill": ("tracejudge.consumer.commands.backfill",
                  "re-judge a time range of the input topics and publish "
                                                  "the results marked as backfill (resumable)"),
     "demo": ("tracejudge.consumer.demo.command", "run a local broker, a synthetic agent and the evaluator"),

@@ -16,6 +16,11 @@ Below DEBUG (`--log-level`, `logging.level`, `TRACEJUDGE_LOGGING__LEVEL`), a log
   task that ran over 0.1 s on a busy process). kafka-python's other warnings and errors
   (authorisation, fencing, a crashed IO thread) are left as they are.
 
+`configure_logging` sets up the root logger of a stage's process (`tracejudge run`, `sink`, ...): a
+stderr handler, JSON lines when `logging.format` says so, the level. `suppress_logged` is how the
+runtime's shutdown steps log a failure and go on. `cannot_connect` is the one line that says why a
+stage could not reach Kafka at start-up, quoting kafka-python's last connection error.
+
 With DEBUG every library line is shown, kafka-python's connection failures as DEBUG records.
 The Python API (`tracejudge.evaluate`, `Evaluator`, an embedded `StreamRunner`) leaves its host's
 logging configuration alone.
@@ -24,12 +29,17 @@ logging configuration alone.
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import sys
 import threading
 import time
 from typing import Any, Final
 
-__all__ = ["KAFKA_CONNECTION_LOGS", "KafkaConnectionLogs", "configure_library_logs"]
+from tracejudge.consumer.config import LoggingSettings, Settings
+
+__all__ = ["KAFKA_CONNECTION_LOGS", "KafkaConnectionLogs", "cannot_connect", "configure_library_logs",
+           "configure_logging", "suppress_logged"]
 
 # One INFO line per request.
 HTTP_LOGGERS: Final = ("httpx", "httpcore")
@@ -153,3 +163,73 @@ def configure_library_logs(level: str | int) -> None:
         logger = logging.getLogger(name)
         if KAFKA_CONNECTION_LOGS not in logger.filters:
             logger.addFilter(KAFKA_CONNECTION_LOGS)
+
+
+
+def cannot_connect(what: str, settings: Settings, exc: BaseException, started: float) -> str:
+    """The one line that says why a stage could not start on Kafka."""
+    from kafka.errors import KafkaTimeoutError  # kafka-python only for a stage, not for every command
+
+    servers = ",".join(settings.kafka.bootstrap_servers)
+    timeout_ms = settings.kafka.bootstrap_timeout_ms
+    if isinstance(exc, KafkaTimeoutError):  # no bootstrap server answered in time
+        cause = KAFKA_CONNECTION_LOGS.last_error(since=started)
+        return (f"cannot reach Kafka at {servers} (kafka.bootstrap_servers): no broker answered within "
+                f"{timeout_ms / 1000:g} s (kafka.bootstrap_timeout_ms)"
+                + (f"; last error: {cause}" if cause else ""))
+    text, name = str(exc), type(exc).__name__
+    return f"cannot {what} for Kafka at {servers} (kafka.bootstrap_servers): " + (
+        text if text.startswith(name) else f"{name}: {text}")
+
+
+# -- a stage's process ------------------------------------------------------------------------------
+
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
+               "message": record.getMessage()}
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def configure_logging(settings: LoggingSettings) -> None:
+    """Root logging for a `tracejudge run` / `tracejudge sink` process: a stderr handler unless one is
+    configured already (the `tracejudge` command's), JSON lines when `logging.format` says so, and
+    `logging.level`."""
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+    if settings.format == "json":
+        for handler in root.handlers:
+            handler.setFormatter(_JsonFormatter())
+    root.setLevel(settings.level)
+    # httpx's line per judge call, kafka-python's narration and its connection failures: DEBUG only.
+    configure_library_logs(settings.level)
+
+
+
+class _suppress_logged:
+    """Shutdown steps: log a failure and go on to the next step."""
+
+    def __init__(self, logger: logging.Logger, what: str) -> None:
+        self.log = logger
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc is not None and isinstance(exc, Exception):
+            self.log.warning("%s failed: %s: %s", self.what, type(exc).__name__, exc)
+            return True
+        return False
+
+
+def suppress_logged(logger: logging.Logger, what: str) -> _suppress_logged:
+    """`with suppress_logged(log, "closing the producer"): ...`: log a failure, go on."""
+    return _suppress_logged(logger, what)

@@ -17,8 +17,14 @@ owns it next), backpressure (`Stage.room()`; pausing every partition together), 
 holds (`Stage.held()`, paused one by one, e.g. a sink waiting to retry a write), consumer lag, the
 broker watch (one line when the broker is lost, one when it is back), the HTTP operations server
 (`/metrics`, `/healthz`, `/readyz`), and the shutdown: stop fetching, let the stage drain for
-`stream.shutdown_grace_seconds`, commit, leave the group. A stage keeps its state per partition and
-never touches the consumer.
+`stream.shutdown_grace_seconds`, commit, leave the group. It owns the producer as well
+(`producer.py`'s `Producing`, made from `Stage.outputs()`): set up before the consumer, its re-sends
+run every loop turn, its dead letters waited for on revocation and at shutdown, closed last. A stage
+keeps its state per partition and never touches a Kafka client.
+
+Neighbours: the `Stage` interface is `stage.py`; offsets and the work handed on (`Exports`) are
+`offsets.py`'s; a stage's process (signals, `stage_main`, the shared flags) is `process.py`; logging
+set-up is `logs.py`.
 
 Threads: the poll loop (the caller of `run()`) fetches, calls the stage and commits. kafka-python 3.x
 runs rebalance callbacks on its IO thread while the poll thread is blocked in `poll()` or `close()`,
@@ -32,46 +38,25 @@ the exception that ended it, `.http_port` is the bound port, `.registry` the Pro
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import signal
-import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
-from types import FrameType
+from collections.abc import Callable, Collection, Iterable
 from typing import Any, Protocol
 
 from kafka import AsyncConsumerRebalanceListener, KafkaConsumer
-from kafka.errors import KafkaTimeoutError
 from kafka.structs import TopicPartition
 from prometheus_client import CollectorRegistry
 
-from tracejudge.consumer.config import ConfigError, LoggingSettings, Settings
-from tracejudge.consumer.runtime.arguments import (
-    GROUP_METAVAR,
-    TOPIC_METAVAR,
-    add_stage_arguments,
-    with_command_port,
-)
-from tracejudge.consumer.runtime.exit_status import SERVICE_FAILED
+from tracejudge.consumer.config import Settings
 from tracejudge.consumer.runtime.http import OperationsServer
-from tracejudge.consumer.runtime.logs import KAFKA_CONNECTION_LOGS, configure_library_logs
-from tracejudge.consumer.runtime.offsets import OffsetTracker, Releasable
-from tracejudge.metrics.telemetry.consumer import ConsumerMetrics
+from tracejudge.consumer.runtime.logs import KAFKA_CONNECTION_LOGS, cannot_connect, suppress_logged
+from tracejudge.consumer.runtime.offsets import OffsetTracker
+from tracejudge.consumer.runtime.producer import Producing
+from tracejudge.consumer.runtime.stage import Stage
+from tracejudge.schemas.errors import StartupError
 
-__all__ = ["ConsumerMetrics", "ConsumerRuntime", "Exports", "RuntimeMetrics", "Stage", "StartupError",
-           "configure_logging", "describe_partitions", "run_until_signalled", "stage_main"]
-
-# A stage's way to wait on the IO thread (revocation): yields to kafka-python's loop, heartbeats go on.
-IoSleep = Callable[[float], Awaitable[None]]
-
-NO_LIMIT = 1 << 30
-
-
-class StartupError(RuntimeError):
-    """The runtime could not start (broker unreachable, port taken); the message says what to fix."""
+__all__ = ["ConsumerRuntime", "RuntimeMetrics", "describe_partitions"]
 
 
 # -- metrics --------------------------------------------------------------------------------------
@@ -93,145 +78,6 @@ class RuntimeMetrics(Protocol):
     def set_lag(self, topic: str, partition: int, lag: int) -> None: ...
 
     def remove_lag(self, topic: str, partition: int) -> None: ...
-
-
-# -- work in flight -------------------------------------------------------------------------------
-
-
-class Exports:
-    """Work handed on that finishes by itself (a result awaiting the broker's ack, a judge running, a
-    dead letter being sent), so a revocation or a shutdown waits for it; also the measure of a
-    stage's in-flight cap. `start(ticket)` wraps a `Releasable`; its `release()` ends the work."""
-
-    def __init__(self) -> None:
-        self._count = 0
-        self._waiters = 0
-        self._cond = threading.Condition(threading.Lock())
-
-    def start(self, inner: Releasable) -> _Export:
-        with self._cond:
-            self._count += 1
-        return _Export(self, inner)
-
-    def _done(self) -> None:
-        with self._cond:
-            self._count -= 1
-            if self._count == 0 and self._waiters:
-                self._cond.notify_all()
-
-    @property
-    def count(self) -> int:
-        return self._count
-
-    def wait_idle(self, timeout: float) -> bool:
-        with self._cond:
-            self._waiters += 1
-            try:
-                return self._cond.wait_for(lambda: self._count == 0, timeout)
-            finally:
-                self._waiters -= 1
-
-
-class _Export:
-    __slots__ = ("_exports", "_inner", "_released")
-
-    def __init__(self, exports: Exports, inner: Releasable) -> None:
-        self._exports = exports
-        self._inner = inner
-        self._released = False
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    def release(self) -> None:
-        if self._released:
-            raise RuntimeError("export released twice")
-        self._released = True
-        self._exports._done()
-        self._inner.release()
-
-
-# -- the stage interface --------------------------------------------------------------------------
-
-
-class Stage:
-    """One consumer's work on the runtime. Only `topics` and `process` are required.
-
-    Every hook but `revoke`/`lose`/`assigned` runs on the poll thread; those three run on
-    kafka-python's IO thread while the poll thread is blocked in `poll()` or `close()`, so they never
-    overlap `process`, `tick` or `drain`. A stage tracks each record it receives with
-    `runtime.tracker.track(tp, offset)` and releases the ticket when the record's work is done.
-    """
-
-    #: Names the stage in thread names and log lines ("run", "sink-mlflow").
-    name = "stage"
-
-    def topics(self) -> list[str]:
-        raise NotImplementedError
-
-    def subscription(self) -> str:
-        """How the subscription is described in the log ("traces:mlflow, spans:otlp_proto")."""
-        return ", ".join(self.topics())
-
-    def prepare(self, runtime: ConsumerRuntime) -> None:
-        """Before `/metrics` is served and Kafka is reached: start helpers, check configuration
-        (raise `ConfigError` or `StartupError`)."""
-
-    def open(self, runtime: ConsumerRuntime) -> None:
-        """Create the stage's own clients (a producer) before the consumer; `StartupError` when the
-        broker cannot be reached."""
-
-    def started(self) -> None:
-        """Subscribed; the poll loop starts next."""
-
-    def tick(self, now: float) -> None:
-        """Every loop turn, before the poll: due retries, checkpoints, timers."""
-
-    def room(self) -> int:
-        """How many more records may be fetched now; 0 or less pauses every assigned partition."""
-        return NO_LIMIT
-
-    def held(self) -> Collection[TopicPartition]:
-        """Partitions to keep paused (e.g. waiting to retry); the others are fetched."""
-        return ()
-
-    def wait_hint(self, now: float) -> float | None:
-        """Seconds until the stage has something due (the poll waits at most that long)."""
-        return None
-
-    def process(self, tp: TopicPartition, records: list[Any]) -> None:
-        """The records one poll returned for `tp`, in offset order. Never raises for a record."""
-        raise NotImplementedError
-
-    def polled(self, now: float) -> None:
-        """After a poll's records went through `process`."""
-
-    async def revoke(self, tps: set[TopicPartition], deadline: float, sleep: IoSleep) -> str:
-        """Partitions are being revoked (IO thread): finish what can finish by `deadline` (yield with
-        `await sleep(s)`), give up the rest (its tickets stay unreleased: re-read later). Returns a
-        note for the log line."""
-        return ""
-
-    def lose(self, tps: set[TopicPartition]) -> None:
-        """Partitions were lost (already someone else's): drop their state."""
-
-    def assigned(self, tps: set[TopicPartition]) -> None:
-        """Partitions were assigned."""
-
-    def busy(self) -> int:
-        """Work in flight that a shutdown waits for (for the log)."""
-        return 0
-
-    def stopping(self) -> None:
-        """The runtime stopped fetching; give up what cannot finish without the poll loop."""
-
-    def drain(self, deadline: float) -> None:
-        """Finish in-flight work until `deadline` (the shutdown's grace period)."""
-
-    def close(self) -> None:
-        """Release the stage's clients; called once, after the consumer left the group. Must not
-        raise."""
 
 
 # -- the runtime ----------------------------------------------------------------------------------
@@ -259,6 +105,8 @@ class ConsumerRuntime:
         self.title = title
         self.group_id = group_id or settings.kafka.group_id
         self.tracker = OffsetTracker()
+        # The stage's producer, opened in `_connect` (none when the stage names no output topic).
+        self.producing = Producing(settings, stage.outputs(), logger=self.log)
         self.metrics.in_flight.set_function(lambda: self.tracker.in_flight)
         self.http_port: int | None = None
         self.error: BaseException | None = None
@@ -357,6 +205,7 @@ class ConsumerRuntime:
     def _connect(self) -> None:
         s = self.settings
         started = time.monotonic()
+        self.producing.open()
         self.stage.open(self)
         config = s.kafka.consumer_config()
         config["group_id"] = self.group_id
@@ -374,6 +223,7 @@ class ConsumerRuntime:
         assert consumer is not None
         stage = self.stage
         tick, room_for, process, polled = stage.tick, stage.room, stage.process, stage.polled
+        resend = self.producing.run_due_retries
         held, wait_hint = stage.held, stage.wait_hint
         max_poll = self.settings.kafka.max_poll_records
         poll_timeout = s.poll_timeout_ms
@@ -385,6 +235,7 @@ class ConsumerRuntime:
             if external is not None and external.is_set():
                 break
             now = self._last_loop = time.monotonic()
+            resend()
             tick(now)
             room = room_for()
             self._apply_pauses(consumer, full=room <= 0, held=held(), now=now)
@@ -516,16 +367,19 @@ class ConsumerRuntime:
         self._stop.set()
         try:
             if consumer is not None:
-                with _suppress_logged(self.log, "pausing fetches"):
+                with suppress_logged(self.log, "pausing fetches"):
                     if consumer.assignment():
                         consumer.pause(*consumer.assignment())
-                with _suppress_logged(self.log, "stopping the stage"):
+                with suppress_logged(self.log, "stopping the stage"):
                     self.stage.stopping()
-                if busy := self.stage.busy():
+                if busy := self.stage.busy() + self.producing.busy:
                     self.log.info("stopping: waiting up to %.1f s (stream.shutdown_grace_seconds) for %d "
                                   "in flight", s.stream.shutdown_grace_seconds, busy)
-                with _suppress_logged(self.log, "draining the stage"):
-                    self.stage.drain(time.monotonic() + s.stream.shutdown_grace_seconds)
+                deadline = time.monotonic() + s.stream.shutdown_grace_seconds
+                with suppress_logged(self.log, "draining the stage"):
+                    self.stage.drain(deadline)
+                with suppress_logged(self.log, "sending the dead letters"):
+                    self.producing.settle(deadline)
                 self._commit()
                 unfinished = self.tracker.incomplete()
                 if unfinished:
@@ -533,12 +387,13 @@ class ConsumerRuntime:
                     self.log.warning("stopping with %d records unfinished; they will be re-delivered: %s",
                                      sum(unfinished.values()), describe_partitions(unfinished))
                 self._closing = True
-                with _suppress_logged(self.log, "closing the consumer"):
+                with suppress_logged(self.log, "closing the consumer"):
                     # Runs the listener's on_partitions_revoked (a last commit) and leaves the group.
                     consumer.close(autocommit=False, timeout_ms=s.kafka.commit_timeout_ms)
         finally:
-            with _suppress_logged(self.log, "closing the stage"):
+            with suppress_logged(self.log, "closing the stage"):
                 self.stage.close()
+            self.producing.close()
             if self._http is not None:
                 self._http.stop()
                 self._http = None
@@ -555,7 +410,9 @@ class ConsumerRuntime:
         async def sleep(seconds: float) -> None:
             await _io_sleep(consumer, seconds)
 
-        note = await self.stage.revoke(revoked, time.monotonic() + grace, sleep)
+        deadline = time.monotonic() + grace
+        note = await self.stage.revoke(revoked, deadline, sleep)
+        await self.producing.settle_revoked(deadline, sleep)  # dead letters on their way
         offsets = tracker.committable(revoked)
         if offsets:
             try:
@@ -717,20 +574,6 @@ async def _io_sleep(consumer: KafkaConsumer, seconds: float) -> None:
         time.sleep(seconds)
 
 
-def cannot_connect(what: str, settings: Settings, exc: BaseException, started: float) -> str:
-    """The one line that says why a stage could not start on Kafka."""
-    servers = ",".join(settings.kafka.bootstrap_servers)
-    timeout_ms = settings.kafka.bootstrap_timeout_ms
-    if isinstance(exc, KafkaTimeoutError):  # no bootstrap server answered in time
-        cause = KAFKA_CONNECTION_LOGS.last_error(since=started)
-        return (f"cannot reach Kafka at {servers} (kafka.bootstrap_servers): no broker answered within "
-                f"{timeout_ms / 1000:g} s (kafka.bootstrap_timeout_ms)"
-                + (f"; last error: {cause}" if cause else ""))
-    text, name = str(exc), type(exc).__name__
-    return f"cannot {what} for Kafka at {servers} (kafka.bootstrap_servers): " + (
-        text if text.startswith(name) else f"{name}: {text}")
-
-
 def _coordinator_known(consumer: KafkaConsumer) -> bool:
     """Whether kafka-python still has a group coordinator (it forgets it when the broker is lost);
     False when this kafka-python does not say."""
@@ -753,141 +596,3 @@ def describe_partitions(tps: Iterable[TopicPartition]) -> str:
     for tp in tps:
         by_topic.setdefault(tp.topic, []).append(tp.partition)
     return ", ".join(f"{t}{sorted(p)}" for t, p in sorted(by_topic.items())) or "none"
-
-
-class _suppress_logged:
-    """Shutdown steps: log a failure and go on to the next step."""
-
-    def __init__(self, logger: logging.Logger, what: str) -> None:
-        self.log = logger
-        self.what = what
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
-        if exc is not None and isinstance(exc, Exception):
-            self.log.warning("%s failed: %s: %s", self.what, type(exc).__name__, exc)
-            return True
-        return False
-
-
-def suppress_logged(logger: logging.Logger, what: str) -> _suppress_logged:
-    """`with suppress_logged(log, "closing the producer"): ...`: log a failure, go on."""
-    return _suppress_logged(logger, what)
-
-
-# -- the process ------------------------------------------------------------------------------------
-
-
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        out = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
-               "message": record.getMessage()}
-        if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out)
-
-
-def configure_logging(settings: LoggingSettings) -> None:
-    """Root logging for a `tracejudge run` / `tracejudge sink` process: a stderr handler unless one is
-    configured already (the `tracejudge` command's), JSON lines when `logging.format` says so, and
-    `logging.level`."""
-    root = logging.getLogger()
-    if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        root.addHandler(handler)
-    if settings.format == "json":
-        for handler in root.handlers:
-            handler.setFormatter(_JsonFormatter())
-    root.setLevel(settings.level)
-    # httpx's line per judge call, kafka-python's narration and its connection failures: DEBUG only.
-    configure_library_logs(settings.level)
-
-
-def run_until_signalled(runtime: ConsumerRuntime) -> int:
-    """Run in this thread until SIGTERM/SIGINT (the first one drains and commits, a second exits at
-    once without committing). 0 after a clean stop, 4 (`SERVICE_FAILED`) when it cannot start (logged in
-    one line).
-    Other exceptions propagate."""
-    log = runtime.log
-    signals = {"n": 0}
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        signals["n"] += 1
-        if signals["n"] > 1:
-            log.error("second %s: exiting now without committing", signal.Signals(signum).name)
-            os._exit(1)
-        log.info("%s received: stopping", signal.Signals(signum).name)
-        runtime.stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    try:
-        runtime.run()
-    except StartupError as exc:
-        log.error("%s; exiting with status %d", exc, SERVICE_FAILED)
-        return SERVICE_FAILED
-    return 0
-
-
-def stage_main(name: str, args: Any, settings_from_args: Callable[[Any], Settings],
-               make_runner: Callable[[Settings], ConsumerRuntime], *,
-               plan: Callable[[Settings], Any] | None = None, show: Callable[[str], bool] | None = None,
-               effective: Callable[[Any], Mapping[str, Any]] | None = None) -> int:
-    """The entry point of a stage's command (`tracejudge run`, `sessions`, `agreement`): load the
-    settings and the stage's `plan` (a `ConfigError` is reported before anything connects: status 2);
-    with `--check-config` print the settings `show` picks (secrets redacted) and the `effective`
-    values the plan resolved, status 0; else run until signalled (0 after a clean stop, 1 when it
-    cannot start)."""
-    try:
-        # The stage's own default metrics port unless http.port was given (`cli_args.METRICS_PORTS`).
-        settings = with_command_port(settings_from_args(args), name)
-        planned = plan(settings) if plan is not None else None
-    except ConfigError as exc:
-        print(f"tracejudge {name}: {exc.report()}", file=sys.stderr)
-        return 2
-    configure_logging(settings.logging)
-    if getattr(args, "check_config", False):
-        for key, value in settings.redacted().items():
-            if show is None or show(key):
-                print(f"{key} = {json.dumps(value)}")
-        for key, value in (effective(planned) if effective is not None else {}).items():
-            print(f"{key} (effective) = {json.dumps(value)}")
-        return 0
-    try:
-        runner = make_runner(settings)
-    except ConfigError as exc:
-        print(f"tracejudge {name}: {exc.report()}", file=sys.stderr)
-        return 2
-    return run_until_signalled(runner)
-
-
-# -- command-line flags every stage shares ----------------------------------------------------------
-
-
-def add_runtime_arguments(parser: Any, *, command: str, config_help: str, group: tuple[str, str],
-                          results: tuple[str, str], dead_letters: tuple[str, str]) -> None:
-    """The flags of every command on the runtime: the common stage flags (`cli_args`), then `group`,
-    `results` and `dead_letters`, each the configuration key the flag overrides and its help text
-    (`runtime_overrides` reads them back)."""
-    add_stage_arguments(parser, command, config_help=config_help)
-    parser.add_argument("--group-id", metavar=GROUP_METAVAR, help=group[1])
-    parser.add_argument("--results-topic", metavar=TOPIC_METAVAR, help=results[1])
-    parser.add_argument("--dead-letter-topic", metavar=TOPIC_METAVAR, help=dead_letters[1])
-    parser.set_defaults(runtime_keys={"group_id": group[0], "results_topic": results[0],
-                                      "dead_letter_topic": dead_letters[0]})
-
-
-def runtime_overrides(args: Any) -> dict[str, Any]:
-    """The configuration keys the shared flags set (None where a flag was not given)."""
-    keys = getattr(args, "runtime_keys", {})
-    overrides = {keys[flag]: getattr(args, flag, None) for flag in keys}
-    overrides.update({
-        "kafka.bootstrap_servers": getattr(args, "bootstrap_servers", None),
-        "http.port": getattr(args, "metrics_port", None),
-        "http.bind_address": getattr(args, "metrics_bind_address", None),
-        "logging.level": getattr(args, "log_level", None),
-    })
-    return overrides

@@ -12,6 +12,9 @@ offset tracked for it (where reading started: the group's committed offset, or w
 `auto_offset_reset` put a group that had none), so the commit timer of a consumer whose first
 records are all still in flight neither sends a commit nor counts one in `tracejudge_commits_total`.
 
+`Exports` counts the work handed on that finishes by itself (a result awaiting the broker's ack, a
+judge running): what a revocation or a shutdown waits for, and a stage's in-flight cap.
+
 Thread-safe: tickets are released from the producer's network thread and, later, from judge threads,
 while the poll loop tracks new records and the rebalance listener revokes partitions.
 """
@@ -25,7 +28,7 @@ from typing import Protocol
 
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
-__all__ = ["OffsetTracker", "Releasable", "Ticket"]
+__all__ = ["Export", "Exports", "OffsetTracker", "Releasable", "Ticket"]
 
 
 class Releasable(Protocol):
@@ -209,3 +212,62 @@ class OffsetTracker:
                 return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
             finally:
                 self._waiters -= 1
+
+
+# -- work handed on ----------------------------------------------------------------------------------
+
+
+class Exports:
+    """Work handed on that finishes by itself (a result awaiting the broker's ack, a judge running, a
+    dead letter being sent), so a revocation or a shutdown waits for it; also the measure of a
+    stage's in-flight cap. `start(ticket)` wraps a `Releasable`; its `release()` ends the work."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._waiters = 0
+        self._cond = threading.Condition(threading.Lock())
+
+    def start(self, inner: Releasable) -> Export:
+        with self._cond:
+            self._count += 1
+        return Export(self, inner)
+
+    def _done(self) -> None:
+        with self._cond:
+            self._count -= 1
+            if self._count == 0 and self._waiters:
+                self._cond.notify_all()
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self._cond:
+            self._waiters += 1
+            try:
+                return self._cond.wait_for(lambda: self._count == 0, timeout)
+            finally:
+                self._waiters -= 1
+
+
+class Export:
+    """One piece of work handed on (`Exports.start`); `release()` ends it and releases what it wraps."""
+
+    __slots__ = ("_exports", "_inner", "_released")
+
+    def __init__(self, exports: Exports, inner: Releasable) -> None:
+        self._exports = exports
+        self._inner = inner
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        if self._released:
+            raise RuntimeError("export released twice")
+        self._released = True
+        self._exports._done()
+        self._inner.release()

@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kafka.errors import MessageSizeTooLargeError, RecordListTooLargeError
@@ -219,6 +220,24 @@ class DeadLetterSink:
             value = None
         self._send(kept + ours, key, value, ticket, where, attempt=0)
 
+    def dead_letter(self, record: Any, reason: str, detail: str, ticket: Releasable, *,
+                    source: SourceRef | None = None, record_format: str = "auto",
+                    count_record: bool = True) -> None:
+        """Dead-letter one consumed record (a `ConsumerRecord`: its key, value, headers and timestamp
+        are copied), or, with `record` None, what `source` names (a record known only by its
+        coordinates: an assembled trace, a result that could not be written). `source` defaults to
+        the record's coordinates with `record_format`. `ticket` is released on the broker's ack."""
+        if source is None:
+            source = SourceRef(format=record_format, topic=record.topic, partition=record.partition,
+                               offset=record.offset)
+        if record is None:
+            self.send(source=source, reason=reason, error=detail, ticket=ticket, value=None,
+                      count_record=count_record)
+            return
+        self.send(source=source, reason=reason, error=detail, ticket=ticket, value=record.value,
+                  key=record.key, headers=record.headers, timestamp_ms=record.timestamp,
+                  count_record=count_record)
+
     def _send(self, headers: list[Header], key: bytes | None, value: bytes | None, ticket: Releasable,
               where: str, attempt: int) -> None:
         assert self.publisher is not None and self.topic is not None
@@ -285,27 +304,52 @@ class ResultSink:
                                    error=f"result could not be written: {exception_text(exc)}",
                                    count_record=False)
             return
-        self._send(value, key_bytes, headers, src, ticket, attempt=0)
+        self.send(value, key_bytes, headers, ticket, source=src)
 
-    def _send(self, value: bytes, key: bytes | None, headers: list[Header], src: SourceRef,
-              ticket: Releasable, attempt: int) -> None:
+    def send(self, value: bytes, key: bytes | None, headers: list[Header], ticket: Releasable, *,
+             source: SourceRef, kind: str = "result", where: str | None = None,
+             waits: str = "the offset waits") -> None:
+        """Publish one serialised result (a trace's, a session's: `kind`) to the results topic; `ticket`
+        is released on the broker's ack. A failed write is retried after a back-off (`waits` says what
+        is held meanwhile); one the broker refuses as too large becomes a dead letter
+        (`result_rejected`). `where` names it in the log (default: its source record)."""
+        if where is None:
+            where = f"the {kind} of {source.topic}[{source.partition}]@{source.offset}"
+        self._send(_Outgoing(value, key, headers, ticket, source, kind, where, waits), attempt=0)
+
+    def _send(self, out: _Outgoing, attempt: int) -> None:
         assert self.publisher is not None and self.topic is not None
         publisher, topic, metrics = self.publisher, self.topic, self.metrics
 
         def acked() -> None:
             metrics.results_published.inc()
-            ticket.release()
+            out.ticket.release()
 
         def failed(exc: Exception) -> None:
             metrics.result_publish_failures.inc()
             if isinstance(exc, _SIZE_ERRORS):
-                self.dead_letters.send(source=src, reason=RESULT_REJECTED, ticket=ticket, value=None,
-                                       key=key, error=f"result of {len(value)} bytes rejected by the "
-                                       f"broker: {exc}", count_record=False)
+                self.dead_letters.send(source=out.source, reason=RESULT_REJECTED, ticket=out.ticket,
+                                       value=None, key=out.key, error=f"{out.kind} of {len(out.value)} "
+                                       f"bytes rejected by the broker: {exc}", count_record=False)
                 return
-            self._log.warning("result publish failure", "cannot publish the result of %s[%s]@%s to %s "
-                              "(attempt %d): %s: %s; retrying, the offset waits", src.topic, src.partition,
-                              src.offset, topic, attempt + 1, type(exc).__name__, exc)
-            publisher.retry_later(attempt, lambda: self._send(value, key, headers, src, ticket, attempt + 1))
+            self._log.warning(f"{out.kind} publish failure", "cannot publish %s to %s (attempt %d): %s: %s; "
+                              "retrying, %s", out.where, topic, attempt + 1, type(exc).__name__, exc,
+                              out.waits)
+            publisher.retry_later(attempt, lambda: self._send(out, attempt + 1))
 
-        publisher.send(topic, value=value, key=key, headers=headers, on_ack=acked, on_error=failed)
+        publisher.send(topic, value=out.value, key=out.key, headers=out.headers, on_ack=acked,
+                       on_error=failed)
+
+
+@dataclass(frozen=True, slots=True)
+class _Outgoing:
+    """A result on its way to the results topic, and how its log lines name it."""
+
+    value: bytes
+    key: bytes | None
+    headers: list[Header]
+    ticket: Releasable
+    source: SourceRef
+    kind: str
+    where: str
+    waits: str

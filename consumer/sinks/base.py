@@ -30,12 +30,29 @@ after its retry window) is *skipped* by the sink and counted in the report by re
 record cannot hold a partition for ever. Any other exception ends the sink process (non-zero exit,
 nothing committed past the failed batch): a bug must not be mistaken for a skip.
 
-Settings. A sink's class may take a settings type with `from_mapping(section, where)` (validation,
-`ConfigError` naming each bad key) and `redacted()`: the settings as `tracejudge sink <kind>
---check-config` prints them, the values the sink declares secret (header values, tokens) masked. The
-runtime's own listing shows a sink's section masked (`OPAQUE`: it cannot know which of its values are
-secrets), URLs without credentials or query values. A URL that carries credentials (`user:password@`)
-is refused by the built-in sinks (`tracejudge.metrics.judges.secrets.url_problem`).
+Settings. A sink declares its settings, the `sink.<kind>` section, as a `SinkSection`: a pydantic model
+(the one configuration idiom, `tracejudge.metrics.sections`) named by the class attribute
+`settings_class` or by the annotation of the constructor's first parameter:
+
+    class PrintSettings(SinkSection):
+        section_key = "sink.print"
+        width: int = Field(default=80, gt=0)
+        token: Annotated[str | None, SECRET] = None   # tracejudge.metrics.judges.secrets.SECRET
+
+    class PrintSink(Sink):
+        kind = "print"
+        settings_class = PrintSettings
+
+The runtime builds it with `from_mapping(section, "sink.<kind>")`: unknown keys and bad values are one
+`ConfigError` naming each key (`sink.print.width: must be an integer, got 'wide'`); a stated null means
+the default, except for a key whose type admits None (null turns it off). `resolve(env)` is the hook for
+what the section reads from the environment at start-up (credentials), and `redacted()` the settings as
+`tracejudge sink <kind> --check-config` prints them, the fields declared `SECRET` or `SecretStr` masked
+and URLs shown without credentials or query values. Any other class with `from_mapping(section, where)`
+and `redacted()` still works (the former way); a sink without either gets the section as a plain
+mapping. The runtime's own listing shows a sink's section masked (`OPAQUE`: it cannot know which of its
+values are secrets), URLs without credentials or query values. A URL that carries credentials
+(`user:password@`) is refused by the built-in sinks (`tracejudge.metrics.judges.secrets.url_problem`).
 
 Session results. Besides one result per evaluated trace, the session stage (`tracejudge sessions`)
 writes one *session result* per evaluated conversation (`"kind": "session"`, `schemas.session.
@@ -50,15 +67,24 @@ arrived after it closed) comes again with `evaluation` n+1; its verdicts replace
 
 from __future__ import annotations
 
+import os
+import types
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self, Union, get_args, get_origin
+
+from pydantic import ConfigDict, SecretStr, ValidationError, model_validator
+
+from tracejudge.metrics.judges.secrets import MASK, SECRET, redact_url
+from tracejudge.metrics.sections import Section, problems, render_key
+from tracejudge.schemas.errors import ConfigError
 
 if TYPE_CHECKING:
     from tracejudge.schemas.session import SessionResult
 
-__all__ = ["RetryLater", "Sink", "SinkBatch", "SinkRecord", "WriteReport"]
+__all__ = ["RetryLater", "Sink", "SinkBatch", "SinkRecord", "SinkSection", "WriteReport"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +138,83 @@ class WriteReport:
 
     def skip(self, reason: str, n: int = 1) -> None:
         self.skipped[reason] += n
+
+
+class SinkSection(Section):
+    """A sink's settings, the `sink.<kind>` section (see the module docstring). Frozen: a sink shares
+    them between threads. Numbers given as strings (environment overrides) are taken; numbers are
+    taken for strings (an experiment id written as `7`)."""
+
+    model_config = ConfigDict(frozen=True, coerce_numbers_to_str=True)
+
+    # The section's key path, for errors when `from_mapping` is not told it.
+    section_key: ClassVar[str] = "sink"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        # A stated null (`key:` with no value) means the default, unless the key's type admits None.
+        if isinstance(data, Mapping):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in fields or _admits_none(fields[k].annotation)}
+        return data
+
+    @classmethod
+    def from_mapping(cls, section: Mapping[str, Any] | None, where: str | None = None, *,
+                     env: Mapping[str, str] | None = None) -> Self:
+        """Validate the section; a `ConfigError` names every bad key under `where` (`sink.<kind>`).
+        `env` (default `os.environ`) is the validators' `env` context and `resolve`'s."""
+        where = where or cls.section_key
+        env = os.environ if env is None else env
+        if section is not None and not isinstance(section, Mapping):
+            raise ConfigError(where, f"must be a mapping, got {type(section).__name__}")
+        try:
+            settings = cls.model_validate(dict(section or {}), context={"env": env})
+            return settings.resolve(env)
+        except ValidationError as exc:
+            raise ConfigError([(f"{where}.{render_key(loc)}", message)
+                               for loc, message in problems(exc, cls)]) from None
+        except ConfigError as exc:  # from `resolve`, its keys relative to the section
+            raise ConfigError([(f"{where}.{key}" if key else where, message)
+                               for key, message in exc.problems]) from None
+
+    @classmethod
+    def keys_help(cls) -> list[str]:
+        """The section's keys as `--help` lists them: `name (default value)`, the value as YAML writes it;
+        a key without a plain default (required, or built at start-up) by its name alone."""
+        out = []
+        for name, info in cls.model_fields.items():
+            shown = None if info.default_factory is not None or info.is_required() else info.default
+            if isinstance(shown, bool):
+                shown = "true" if shown else "false"
+            out.append(name if shown in (None, "") else f"{name} (default {shown})")
+        return out
+
+    def resolve(self, env: Mapping[str, str]) -> Self:
+        """What the section takes from the environment, read once at start-up so a problem (an
+        unreadable token file) is a `ConfigError` before anything runs; raise it with keys relative
+        to the section. The default takes nothing."""
+        return self
+
+    def redacted(self) -> dict[str, Any]:
+        """The settings as `--check-config` prints them: fields declared `SECRET` or `SecretStr` masked
+        (each value of a mapping)."""
+        out: dict[str, Any] = {}
+        for name, info in type(self).model_fields.items():
+            value = getattr(self, name)
+            if SECRET in info.metadata or isinstance(value, SecretStr):
+                value = dict.fromkeys(sorted(value), MASK) if isinstance(value, Mapping) else \
+                    (None if value is None else MASK)
+            elif isinstance(value, str) and "://" in value:
+                value = redact_url(value)
+            out[name] = value
+        return out
+
+
+def _admits_none(annotation: Any) -> bool:
+    return annotation is None or (get_origin(annotation) in (Union, types.UnionType)
+                                  and type(None) in get_args(annotation))
 
 
 class RetryLater(Exception):

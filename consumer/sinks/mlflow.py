@@ -82,11 +82,13 @@ tracejudge.metrics.judges.trust.shadows).
 
 Auth: a bearer token from `token_file` or `token_env`, or basic auth from `username_env` /
 `password_env` (MLflow's own variables by default). Neither is logged, put in a metric or in an error.
+
+Neighbours: the `sink.mlflow` section is `mlflow_settings.MlflowSinkSettings`, the REST calls
+`mlflow_client.MlflowClient`, the outcome series `tracejudge.metrics.telemetry.sinks.SinkWriteMetrics`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import math
@@ -96,22 +98,29 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
-from email.utils import parsedate_to_datetime
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote, urlsplit
 
-import httpx
 import orjson
 from prometheus_client import CollectorRegistry
-from prometheus_client import Counter as PromCounter
 
-from tracejudge.consumer.config import ConfigError
 from tracejudge.consumer.sinks.base import RetryLater, Sink, SinkBatch, SinkRecord, WriteReport
-from tracejudge.metrics.judges.secrets import redact_url, url_problem
+from tracejudge.consumer.sinks.mlflow_client import (
+    EVALUATION_KEY,
+    SESSION_ID_KEY,
+    Feedback,
+    MlflowClient,
+    TraceInfo,
+    Transient,
+    Unavailable,
+    error_code,
+    raise_unavailable,
+)
+from tracejudge.consumer.sinks.mlflow_settings import MlflowSinkSettings
+from tracejudge.metrics.telemetry.sinks import SinkWriteMetrics
+from tracejudge.schemas.errors import ConfigError
 from tracejudge.schemas.session import SessionResult, TurnRef
+from tracejudge.schemas.version import __version__
 
 __all__ = ["SESSION_ID_KEY", "MlflowSink", "MlflowSinkSettings", "feedback_key", "mlflow_trace_id",
            "session_feedback_key", "session_trace"]
@@ -119,9 +128,6 @@ __all__ = ["SESSION_ID_KEY", "MlflowSink", "MlflowSinkSettings", "feedback_key",
 log = logging.getLogger(__name__)
 
 KIND = "mlflow"
-TRACES_PATH = "/api/3.0/mlflow/traces"
-# Trace ids per batchGetInfos request (the server itself queries SQLite in chunks of this order).
-INFO_CHUNK = 100
 # Traces waited for at once (about 150 bytes each); the oldest is forgotten beyond it.
 MAX_TRACKED_TRACES = 100_000
 # The first wait after a network error or a 5xx; the sink runtime doubles it per failed offer of a
@@ -130,227 +136,10 @@ BACKOFF_BASE_S = 0.5
 RETRY_AFTER_MAX_S = 300.0
 HEURISTIC_SOURCE_ID = "tracejudge.heuristic"
 METRICS_SOURCE_ID = "tracejudge.metrics"
-# What MLflow's own session scoring marks a session's feedback with (`AssessmentMetadataKey.
-# ONLINE_SCORING_SESSION_ID`; it deletes the earlier ones by it), and the trace metadata key of a session.
-SESSION_ID_KEY = "mlflow.assessment.onlineScoringSessionId"
+# The trace metadata key of a session (its feedback's marks, SESSION_ID_KEY and EVALUATION_KEY, are
+# the client's: tracejudge.consumer.sinks.mlflow_client).
 TRACE_SESSION_KEY = "mlflow.trace.session"
-EVALUATION_KEY = "tracejudge.evaluation"
 _HEX16 = frozenset("0123456789abcdef")
-# Keys whose stated null means "none" rather than "the default".
-_OPTIONAL_NAMES = ("experiment_id", "token_env", "token_file", "username_env", "password_env")
-
-
-def _package_version() -> str:
-    try:
-        from tracejudge import __version__
-    except ImportError:  # pragma: no cover - the package is always importable where this runs
-        return "unknown"
-    return __version__
-
-
-# --- settings --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class MlflowSinkSettings:
-    """The `sink.mlflow` section. Holds the names of the secrets' variables and file, never their values."""
-
-    tracking_uri: str
-    experiment_id: str | None = None
-    token_env: str | None = "MLFLOW_TRACKING_TOKEN"
-    token_file: str | None = None
-    username_env: str | None = "MLFLOW_TRACKING_USERNAME"
-    password_env: str | None = "MLFLOW_TRACKING_PASSWORD"
-    max_concurrency: int = 16
-    unknown_trace_retry_s: float = 300.0
-    unknown_trace_attempts: int = 5
-    write_metrics: bool = False
-    timeout_s: float = 10.0
-
-    @classmethod
-    def from_mapping(cls, d: Mapping[str, Any] | None, where: str = "sink.mlflow", *,
-                     env: Mapping[str, str] | None = None) -> MlflowSinkSettings:
-        """Validate the section; `ConfigError` names every bad key (`sink.mlflow.max_concurrency: …`).
-        `tracking_uri` defaults to `MLFLOW_TRACKING_URI`. The credentials are read once here too, so an
-        unreadable `token_file` is reported before anything runs."""
-        env = os.environ if env is None else env
-        d = dict(d or {})
-        problems: list[tuple[str, str]] = []
-        known = {f.name for f in fields(cls)}
-        for key in sorted(set(d) - known):
-            problems.append((f"{where}.{key}", f"unknown key (known: {', '.join(sorted(known))})"))
-
-        def get(key: str, kind: type, check: Callable[[Any], str | None] | None = None) -> Any:
-            if d.get(key) is None:
-                return None
-            try:
-                value = _coerce(d[key], kind)
-            except ValueError:
-                problems.append((f"{where}.{key}", f"expected {_kind_name(kind)}, got {d[key]!r}"))
-                return None
-            if check is not None and (msg := check(value)):
-                problems.append((f"{where}.{key}", msg))
-                return None
-            return value
-
-        def positive(v: float) -> str | None:
-            return None if v > 0 and math.isfinite(v) else f"must be > 0, got {v!r}"
-
-        def non_negative(v: float) -> str | None:
-            return None if v >= 0 and math.isfinite(v) else f"must be >= 0, got {v!r}"
-
-        def at_least_one(v: int) -> str | None:
-            return None if v >= 1 else f"must be >= 1, got {v!r}"
-
-        def name(v: str) -> str | None:
-            return None if v.strip() else "must not be empty"
-
-        values: dict[str, Any] = {}
-        if d.get("tracking_uri") is None:
-            uri = env.get("MLFLOW_TRACKING_URI") or None
-            if uri is None:
-                problems.append((f"{where}.tracking_uri", "required (or set MLFLOW_TRACKING_URI)"))
-        else:
-            uri = get("tracking_uri", str)
-        if uri is not None:
-            if msg := _check_uri(uri):
-                problems.append((f"{where}.tracking_uri", msg))
-            else:
-                values["tracking_uri"] = uri.rstrip("/")
-        for key, kind, check in (
-            ("experiment_id", str, name),
-            ("token_env", str, name),
-            ("token_file", str, name),
-            ("username_env", str, name),
-            ("password_env", str, name),
-            ("max_concurrency", int, at_least_one),
-            ("unknown_trace_retry_s", float, non_negative),
-            ("unknown_trace_attempts", int, at_least_one),
-            ("write_metrics", bool, None),
-            ("timeout_s", float, positive),
-        ):
-            if key in _OPTIONAL_NAMES and key in d and (d[key] is None or d[key] == ""):
-                values[key] = None  # stated null (or empty from the environment): off
-                continue
-            v = get(key, kind, check)
-            if v is not None:
-                values[key] = v
-        settings = cls(**{"tracking_uri": "http://unset", **values})
-        try:  # an unreadable token file or half a basic-auth pair, reported now with the rest
-            settings.auth(env, where)
-        except ConfigError as exc:
-            problems.extend(exc.problems)
-        if problems:
-            raise ConfigError(problems)
-        return settings
-
-    def auth(self, env: Mapping[str, str] | None = None, where: str = "sink.mlflow") -> httpx.Auth | None:
-        """The credentials: `token_file`, else basic auth when both of its variables are set, else
-        the token variable, else none (MLflow's order, with an explicit file first)."""
-        env = os.environ if env is None else env
-        if self.token_file:
-            path = Path(self.token_file).expanduser()
-            try:
-                token = path.read_text(encoding="utf-8").strip()
-            except OSError as exc:
-                raise ConfigError([(f"{where}.token_file", f"cannot read {path}: {exc.strerror}")]) from None
-            if not token:
-                raise ConfigError([(f"{where}.token_file", f"{path} is empty")])
-            return _Bearer(token)
-        user = env.get(self.username_env) if self.username_env else None
-        password = env.get(self.password_env) if self.password_env else None
-        if user and password:
-            return httpx.BasicAuth(user, password)
-        if user or password:
-            missing = self.password_env if user else self.username_env
-            key = "password_env" if user else "username_env"
-            raise ConfigError([(f"{where}.{key}", f"basic auth needs {missing} set too")])
-        token = env.get(self.token_env) if self.token_env else None
-        if token and token.strip():
-            return _Bearer(token.strip())
-        return None
-
-    def redacted(self) -> dict[str, Any]:
-        """The settings as `--check-config` prints them. Nothing here is a secret (the credentials'
-        variable and file names, never their values); the URI is shown through `redact_url`."""
-        return {"tracking_uri": redact_url(self.tracking_uri),
-                **{f.name: getattr(self, f.name) for f in fields(self) if f.name != "tracking_uri"}}
-
-    def auth_key(self, env: Mapping[str, str] | None = None) -> str:
-        """The key to blame when the server refuses the credentials."""
-        env = os.environ if env is None else env
-        if self.token_file:
-            return "token_file"
-        if self.username_env and env.get(self.username_env):
-            return "username_env"
-        return "token_env"
-
-
-def _kind_name(kind: type) -> str:
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(kind, "a value")
-
-
-_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
-
-
-def _coerce(value: Any, kind: type) -> Any:
-    """A YAML value, or the string an environment override gives, as `kind`; ValueError if it is not one."""
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-            return value.strip().lower() in _TRUE
-        raise ValueError(value)
-    if isinstance(value, bool):
-        raise ValueError(value)
-    if kind is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, int):  # an experiment id written as a number
-            return str(value)
-        raise ValueError(value)
-    if kind is int:
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-            return int(value.strip())
-        raise ValueError(value)
-    if kind is float:
-        if isinstance(value, int | float):
-            return float(value)
-        if isinstance(value, str):
-            return float(value.strip())  # ValueError when it is not a number
-        raise ValueError(value)
-    raise ValueError(value)
-
-
-def _check_uri(uri: str) -> str | None:
-    """Why `uri` cannot be the tracking URI; the URI is quoted only through `redact_url`."""
-    try:
-        parts = urlsplit(uri)
-    except ValueError:
-        return f"expected an http(s):// URL of an MLflow tracking server, got {redact_url(uri)!r}"
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        hint = " (a Databricks workspace is not supported)" if uri.startswith("databricks") else ""
-        return f"expected an http(s):// URL of an MLflow tracking server, got {redact_url(uri)!r}{hint}"
-    return url_problem(uri, query=False,
-                       credentials_go_in="token_env / token_file, or username_env and password_env")
-
-
-class _Bearer(httpx.Auth):
-    """`Authorization: Bearer …`, with a repr that does not show the token."""
-
-    def __init__(self, token: str) -> None:
-        self._header = f"Bearer {token}"
-
-    def auth_flow(self, request: httpx.Request):  # type: ignore[no-untyped-def]
-        request.headers["Authorization"] = self._header
-        yield request
-
-    def __repr__(self) -> str:
-        return "_Bearer(<redacted>)"
 
 
 # --- mapping results to feedback -------------------------------------------------------------------
@@ -393,23 +182,12 @@ def session_trace(session: SessionResult) -> TurnRef | None:
 
 
 @dataclass(slots=True)
-class _Feedback:
-    trace_id: str
-    key: str
-    name: str
-    body: bytes
-    # Session feedback: the session and its evaluation number (None / 0 for a trace verdict).
-    session_id: str | None = None
-    evaluation: int = 0
-
-
-@dataclass(slots=True)
 class _Plan:
-    by_trace: dict[str, list[_Feedback]] = field(default_factory=dict)
+    by_trace: dict[str, list[Feedback]] = field(default_factory=dict)
     skipped: Counter[str] = field(default_factory=Counter)
     duplicates: int = 0
     # (trace, session, name) -> the newest evaluation's feedback in this batch.
-    sessions: dict[tuple[str, str, str], _Feedback] = field(default_factory=dict)
+    sessions: dict[tuple[str, str, str], Feedback] = field(default_factory=dict)
 
 
 def _text(value: Any) -> str:
@@ -485,7 +263,7 @@ class _Mapper:
 
     def __init__(self, write_metrics: bool) -> None:
         self.write_metrics = write_metrics
-        self.version = _package_version()
+        self.version = __version__
 
     def plan(self, records: Iterable[SinkRecord]) -> _Plan:
         plan = _Plan()
@@ -550,7 +328,7 @@ class _Mapper:
                 plan.skipped["superseded"] += 1
             plan.sessions[slot] = fb
 
-    def _feedback(self, result: Mapping[str, Any], trace_id: str, plan: _Plan) -> Iterable[_Feedback]:
+    def _feedback(self, result: Mapping[str, Any], trace_id: str, plan: _Plan) -> Iterable[Feedback]:
         common = {"tracejudge.version": self.version, **_source_metadata(result)}
         for a in result.get("assessments") or ():
             if not isinstance(a, Mapping) or not isinstance(a.get("name"), str) or not a["name"]:
@@ -581,10 +359,10 @@ class _Mapper:
                     payload = orjson.dumps({"assessment": body})
                 except orjson.JSONEncodeError:  # a metric name that is not valid UTF-8
                     continue
-                yield _Feedback(trace_id, key, str(name), payload)
+                yield Feedback(trace_id, key, str(name), payload)
 
     def _assessment(self, a: Mapping[str, Any], trace_id: str, common: dict[str, str], *,
-                    session: SessionResult | None = None, span_id: str | None = None) -> _Feedback | None:
+                    session: SessionResult | None = None, span_id: str | None = None) -> Feedback | None:
         name: str = a["name"]
         judge = a.get("judge") if isinstance(a.get("judge"), Mapping) else {}
         judge_version = judge.get("version") if isinstance(judge.get("version"), str) else None
@@ -625,8 +403,8 @@ class _Mapper:
         except orjson.JSONEncodeError:  # e.g. a lone surrogate from a custom format handler's text
             return None
         if session is not None:
-            return _Feedback(trace_id, key, name, payload, session.session_id, session.evaluation)
-        return _Feedback(trace_id, key, name, payload)
+            return Feedback(trace_id, key, name, payload, session.session_id, session.evaluation)
+        return Feedback(trace_id, key, name, payload)
 
 
 # --- waiting for traces that are not there yet -----------------------------------------------------
@@ -679,44 +457,6 @@ class _UnknownTraces:
 # --- the sink ----------------------------------------------------------------------------------------
 
 
-class _Transient(Exception):
-    """A request that may succeed later (network, 429, 5xx, 401/403)."""
-
-    def __init__(self, reason: str, retry_after: float | None = None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.retry_after = retry_after
-
-
-@dataclass(frozen=True, slots=True)
-class _SessionFeedback:
-    """A session feedback this sink wrote earlier, as the trace holds it."""
-
-    assessment_id: str
-    name: str
-    session_id: str
-    evaluation: int
-    key: str
-
-
-@dataclass(slots=True)
-class _TraceInfo:
-    keys: set[str]
-    experiment_id: str | None
-    sessions: list[_SessionFeedback] = field(default_factory=list)
-
-    def newer(self, fb: _Feedback) -> bool:
-        """True when the trace holds this session's feedback of the same name from a later evaluation."""
-        return any(s.session_id == fb.session_id and s.name == fb.name and s.evaluation > fb.evaluation
-                   for s in self.sessions)
-
-    def replaced_by(self, fb: _Feedback) -> list[str]:
-        """The ids of this session's feedback of the same name from earlier evaluations."""
-        return [s.assessment_id for s in self.sessions
-                if s.session_id == fb.session_id and s.name == fb.name and s.evaluation < fb.evaluation
-                and s.key != fb.key]
-
-
 class MlflowSink(Sink):
     """Writes judge verdicts as MLflow feedback. See the module docstring for the mapping and outcomes."""
 
@@ -727,37 +467,13 @@ class MlflowSink(Sink):
                  env: Mapping[str, str] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self._env = os.environ if env is None else env
-        auth = settings.auth(self._env)
-        limits = httpx.Limits(max_connections=settings.max_concurrency,
-                              max_keepalive_connections=settings.max_concurrency)
-        self._http = httpx.Client(base_url=settings.tracking_uri, auth=auth, limits=limits,
-                                  timeout=settings.timeout_s,
-                                  headers={"content-type": "application/json",
-                                           "user-agent": f"tracejudge/{_package_version()}"})
-        self._pool = ThreadPoolExecutor(settings.max_concurrency, thread_name_prefix="mlflow-sink")
+        self._client = MlflowClient(settings, self._env)
         self._mapper = _Mapper(settings.write_metrics)
         self._unknown = _UnknownTraces(settings.unknown_trace_attempts, settings.unknown_trace_retry_s, clock)
-        self._batch_infos = True  # the server has batchGetInfos (MLflow >= 3.x); else one GET per trace
-        self._logged: set[tuple[Any, ...]] = set()
-        self._log_lock = threading.Lock()
-        registry = registry if registry is not None else CollectorRegistry()
-        self._writes = PromCounter("tracejudge_sink_writes_total",
-                                   "Feedback a sink wrote, or found already written.",
-                                   ["sink", "outcome"], registry=registry)
-        self._skipped = PromCounter("tracejudge_sink_skipped_total",
-                                    "Feedback a sink will never write, by reason.",
-                                    ["sink", "reason"], registry=registry)
-        self._retries = PromCounter("tracejudge_sink_retries_total",
-                                    "Batches a sink asked to have offered again, by reason.",
-                                    ["sink", "reason"], registry=registry)
-        self._deletes = PromCounter("tracejudge_sink_deletes_total",
-                                    "Earlier session feedback a sink deleted because a later evaluation "
-                                    "of the session replaced it (rejected: the server refused).",
-                                    ["sink", "outcome"], registry=registry)
-        for outcome in ("written", "already_written"):
-            self._writes.labels(KIND, outcome)
-        for outcome in ("deleted", "rejected"):
-            self._deletes.labels(KIND, outcome)
+        metrics = SinkWriteMetrics(KIND, registry if registry is not None else CollectorRegistry(),
+                                   deletes=True)
+        self._writes, self._skipped, self._retries = metrics.writes, metrics.skipped, metrics.retries
+        self._deletes = metrics.deletes
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -765,34 +481,26 @@ class MlflowSink(Sink):
         """Check the server before the first poll: credentials refused or the experiment unknown are
         configuration errors; a server that does not answer yet is only logged (writes wait for it)."""
         where = "sink.mlflow"
-        try:
-            if self.settings.experiment_id:
-                r = self._http.get("/api/2.0/mlflow/experiments/get",
-                                   params={"experiment_id": self.settings.experiment_id})
-            else:
-                r = self._http.post("/api/2.0/mlflow/experiments/search", content=b'{"max_results": 1}')
-        except httpx.HTTPError as exc:
-            log.warning("MLflow tracking server %s not reachable yet (%s); writes will wait for it",
-                        self.settings.tracking_uri, type(exc).__name__)
+        r = self._client.check(self.settings.experiment_id)
+        if r is None:
             return
         if r.status_code in (401, 403):
             key = self.settings.auth_key(self._env)
-            raise ConfigError([(f"{where}.{key}",
-                                f"the MLflow server refused the credentials (HTTP {r.status_code})")])
+            raise ConfigError(f"{where}.{key}",
+                              f"the MLflow server refused the credentials (HTTP {r.status_code})")
         if self.settings.experiment_id and r.status_code in (400, 404) \
-                and _error_code(r) in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                and error_code(r) in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
             problem = f"no experiment {self.settings.experiment_id!r} on {self.settings.tracking_uri}"
-            raise ConfigError([(f"{where}.experiment_id", problem)])
+            raise ConfigError(f"{where}.experiment_id", problem)
         if r.status_code == 404:
             problem = f"{self.settings.tracking_uri} does not serve the MLflow REST API (HTTP 404)"
-            raise ConfigError([(f"{where}.tracking_uri", problem)])
+            raise ConfigError(f"{where}.tracking_uri", problem)
         if r.status_code >= 400:
             log.warning("MLflow tracking server %s answered HTTP %d to a start-up check; writes will retry",
                         self.settings.tracking_uri, r.status_code)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        self._http.close()
+        self._client.close()
 
     # -- write --------------------------------------------------------------------------------------
 
@@ -800,11 +508,14 @@ class MlflowSink(Sink):
         report = WriteReport()
         plan = self._mapper.plan(batch.records)
         report.already_written += plan.duplicates
-        infos = self._lookup(list(plan.by_trace))  # raises RetryLater when the server cannot answer
+        try:
+            infos = self._client.lookup(list(plan.by_trace))
+        except Unavailable as exc:  # the server cannot answer now
+            self._retry(exc.failures)
         waiting: list[str] = []
-        todo: list[_Feedback] = []
+        todo: list[Feedback] = []
         # Session feedback on its trace (written now or before), whose earlier evaluations go after.
-        replacing: list[tuple[_Feedback, _TraceInfo]] = []
+        replacing: list[tuple[Feedback, TraceInfo]] = []
         for trace_id, items in plan.by_trace.items():
             info = infos.get(trace_id)
             if info is None:
@@ -827,9 +538,9 @@ class MlflowSink(Sink):
                 else:
                     todo.append(fb)
 
-        transient: list[_Transient] = []
-        for fb, outcome in zip(todo, self._map(self._post, todo), strict=True):
-            if isinstance(outcome, _Transient):
+        transient: list[Transient] = []
+        for fb, outcome in zip(todo, self._client.map(self._client.post, todo), strict=True):
+            if isinstance(outcome, Transient):
                 transient.append(outcome)
             elif outcome == "written":
                 report.written += 1
@@ -853,7 +564,7 @@ class MlflowSink(Sink):
             self._skipped.labels(KIND, reason).inc(n)
         return report
 
-    def _replace(self, replacing: list[tuple[_Feedback, _TraceInfo]]) -> None:
+    def _replace(self, replacing: list[tuple[Feedback, TraceInfo]]) -> None:
         """Delete the session feedback of earlier evaluations that the batch's feedback replaces, after
         the new feedback is on the trace (as MLflow's session scoring does). Only this sink's own
         session feedback is deleted (`tracejudge.key` and the session id in its metadata), never
@@ -866,8 +577,11 @@ class MlflowSink(Sink):
         if not doomed:
             return
         targets = list(doomed)
-        outcomes = self._map(self._delete, targets)
-        self._raise_first(outcomes)
+        outcomes = self._client.map(self._client.delete, targets)
+        try:
+            raise_unavailable(outcomes)
+        except Unavailable as exc:
+            self._retry(exc.failures)
         for outcome in outcomes:
             if outcome == "deleted":
                 self._deletes.labels(KIND, "deleted").inc()
@@ -875,195 +589,14 @@ class MlflowSink(Sink):
                 self._deletes.labels(KIND, "rejected").inc()
             # else "gone": deleted already (by an earlier offer of this batch)
 
-    def _retry(self, failures: list[_Transient]) -> None:
+    def _retry(self, failures: list[Transient]) -> None:
         reason = Counter(f.reason for f in failures).most_common(1)[0][0]
         stated = [f.retry_after for f in failures if f.retry_after is not None]
         # Jittered, so partitions held by the same outage do not all retry in step.
         after = min(max(stated), RETRY_AFTER_MAX_S) if stated else BACKOFF_BASE_S * random.uniform(0.5, 1.0)
         self._retries.labels(KIND, reason).inc()
         if reason == "unauthorized":
-            self._log_once(("unauthorized",), logging.ERROR,
-                           "MLflow server refused the sink's credentials; retrying (check sink.mlflow.%s)",
-                           self.settings.auth_key(self._env))
-        raise RetryLater(reason, after_s=after)
-
-    def _map(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
-        """`fn` over `items` on the pool; a `_Transient` raised by `fn` is returned in its place."""
-        if not items:
-            return []
-        if len(items) == 1:
-            return [_call(fn, items[0])]
-        futures: list[Future[Any]] = [self._pool.submit(_call, fn, item) for item in items]
-        return [f.result() for f in futures]
-
-    # -- REST calls ---------------------------------------------------------------------------------
-
-    def _lookup(self, trace_ids: list[str]) -> dict[str, _TraceInfo]:
-        """Trace id -> its feedback keys and experiment, for the traces the server has; `RetryLater`
-        when the server cannot answer now."""
-        found: dict[str, _TraceInfo] = {}
-        one_by_one = trace_ids
-        if self._batch_infos and trace_ids:
-            chunks = [trace_ids[i:i + INFO_CHUNK] for i in range(0, len(trace_ids), INFO_CHUNK)]
-            outcomes = self._map(self._get_infos, chunks)
-            self._raise_first(outcomes)
-            one_by_one = []
-            for chunk, infos in zip(chunks, outcomes, strict=True):
-                if infos is None:  # this server cannot answer the batch: one GET per trace instead
-                    one_by_one.extend(chunk)
-                else:
-                    found.update(infos)
-        outcomes = self._map(self._get_info, one_by_one)
-        self._raise_first(outcomes)
-        for trace_id, info in zip(one_by_one, outcomes, strict=True):
-            if info is not None:
-                found[trace_id] = info
-        return found
-
-    def _raise_first(self, outcomes: list[Any]) -> None:
-        transient = [o for o in outcomes if isinstance(o, _Transient)]
-        if transient:
-            self._retry(transient)
-
-    def _get_infos(self, chunk: list[str]) -> dict[str, _TraceInfo] | None:
-        """batchGetInfos for a chunk; None when it cannot be answered that way (then per trace)."""
-        r = self._request("POST", f"{TRACES_PATH}/batchGetInfos", orjson.dumps({"trace_ids": chunk}))
-        if r.status_code in (404, 405, 501) and _error_code(r) in (None, "ENDPOINT_NOT_FOUND"):
-            if self._batch_infos:
-                self._batch_infos = False  # an MLflow 3 server from before batchGetInfos
-                log.info("MLflow server has no batchGetInfos (HTTP %d); reading traces one request each",
-                         r.status_code)
-            return None
-        self._raise_transient(r)
-        if r.status_code != 200:
-            self._log_once(("lookup", r.status_code, _error_code(r)), logging.WARNING,
-                           "MLflow batchGetInfos answered HTTP %d (%s); reading those traces one by one",
-                           r.status_code, _error_code(r) or "no error code")
-            return None
-        out: dict[str, _TraceInfo] = {}
-        for info in _json(r).get("trace_infos") or ():
-            if isinstance(info, dict) and isinstance(info.get("trace_id"), str):
-                out[info["trace_id"]] = _trace_info(info)
-        return out
-
-    def _get_info(self, trace_id: str) -> _TraceInfo | None:
-        r = self._request("GET", f"{TRACES_PATH}/{quote(trace_id, safe='')}")
-        if r.status_code == 404:
-            return None
-        self._raise_transient(r)
-        if r.status_code != 200:
-            self._log_once(("lookup", r.status_code, _error_code(r)), logging.WARNING,
-                           "MLflow trace lookup answered HTTP %d (%s); the trace counts as unknown",
-                           r.status_code, _error_code(r) or "no error code")
-            return None
-        info = (_json(r).get("trace") or {}).get("trace_info")
-        return _trace_info(info) if isinstance(info, dict) else None
-
-    def _post(self, fb: _Feedback) -> str:
-        r = self._request("POST", f"{TRACES_PATH}/{quote(fb.trace_id, safe='')}/assessments", fb.body)
-        if r.status_code == 200:
-            return "written"
-        if r.status_code == 404 and _error_code(r) in ("RESOURCE_DOES_NOT_EXIST", None):
-            return "unknown"
-        self._raise_transient(r)
-        code = _error_code(r)
-        self._log_once(("rejected", r.status_code, code), logging.WARNING,
-                       "MLflow rejected feedback %r (HTTP %d, %s): %s; skipping such feedback",
-                       fb.name, r.status_code, code or "no error code", _message(r))
-        return "rejected"
-
-    def _delete(self, target: tuple[str, str]) -> str:
-        trace_id, assessment_id = target
-        r = self._request("DELETE", f"{TRACES_PATH}/{quote(trace_id, safe='')}/assessments/"
-                                    f"{quote(assessment_id, safe='')}")
-        if r.status_code == 200:
-            return "deleted"
-        if r.status_code == 404:
-            return "gone"
-        self._raise_transient(r)
-        code = _error_code(r)
-        self._log_once(("delete", r.status_code, code), logging.WARNING,
-                       "MLflow refused to delete an earlier session feedback (HTTP %d, %s): %s; it stays "
-                       "beside the newer one", r.status_code, code or "no error code", _message(r))
-        return "rejected"
-
-    def _request(self, method: str, path: str, body: bytes | None = None) -> httpx.Response:
-        try:
-            return self._http.request(method, path, content=body)
-        except httpx.HTTPError as exc:  # connection refused, reset, timeout, protocol error
-            raise _Transient("network") from exc
-
-    @staticmethod
-    def _raise_transient(r: httpx.Response) -> None:
-        if r.status_code == 429:
-            raise _Transient("rate_limited", _retry_after(r))
-        if r.status_code >= 500:
-            raise _Transient("server_error", _retry_after(r))
-        if r.status_code in (401, 403):
-            raise _Transient("unauthorized")
-
-    def _log_once(self, key: tuple[Any, ...], level: int, msg: str, *args: Any) -> None:
-        with self._log_lock:
-            if key in self._logged or len(self._logged) > 1000:
-                return
-            self._logged.add(key)
-        log.log(level, msg, *args)
-
-
-def _call(fn: Callable[[Any], Any], item: Any) -> Any:
-    try:
-        return fn(item)
-    except _Transient as exc:
-        return exc
-
-
-def _json(r: httpx.Response) -> dict[str, Any]:
-    try:
-        value = orjson.loads(r.content)
-    except orjson.JSONDecodeError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def _error_code(r: httpx.Response) -> str | None:
-    code = _json(r).get("error_code") if r.content[:1] == b"{" else None
-    return code if isinstance(code, str) else None
-
-
-def _message(r: httpx.Response) -> str:
-    msg = _json(r).get("message") if r.content[:1] == b"{" else None
-    return (msg if isinstance(msg, str) else "")[:300]
-
-
-def _retry_after(r: httpx.Response) -> float | None:
-    value = r.headers.get("retry-after")
-    if not value:
-        return None
-    with contextlib.suppress(ValueError):
-        return max(0.0, float(value))
-    with contextlib.suppress(TypeError, ValueError, IndexError, OverflowError):
-        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
-    return None
-
-
-def _trace_info(info: Mapping[str, Any]) -> _TraceInfo:
-    keys: set[str] = set()
-    sessions: list[_SessionFeedback] = []
-    for a in info.get("assessments") or ():
-        meta = a.get("metadata") if isinstance(a, Mapping) else None
-        if isinstance(meta, Mapping) and isinstance(meta.get("tracejudge.key"), str):
-            keys.add(meta["tracejudge.key"])
-            # Ours, of a session: a later evaluation replaces it (others' assessments are never touched).
-            session_id, assessment_id = meta.get(SESSION_ID_KEY), a.get("assessment_id")
-            source = a.get("source") if isinstance(a.get("source"), Mapping) else {}
-            if isinstance(session_id, str) and isinstance(assessment_id, str) \
-                    and isinstance(a.get("assessment_name"), str) and source.get("source_type") != "HUMAN":
-                evaluation = str(meta.get(EVALUATION_KEY) or "1")
-                sessions.append(_SessionFeedback(assessment_id, a["assessment_name"], session_id,
-                                                 int(evaluation) if evaluation.isdigit() else 1,
-                                                 meta["tracejudge.key"]))
-    location = info.get("trace_location")
-    experiment = None
-    if isinstance(location, Mapping) and isinstance(location.get("mlflow_experiment"), Mapping):
-        experiment = location["mlflow_experiment"].get("experiment_id")
-    return _TraceInfo(keys, str(experiment) if experiment is not None else None, sessions)
+            self._client.log_once(("unauthorized",), logging.ERROR, "MLflow server refused the sink's "
+                                  "credentials; retrying (check sink.mlflow.%s)",
+                                  self.settings.auth_key(self._env))
+        raise RetryLater(reason, after_s=after) from None  # not the client's `Unavailable`

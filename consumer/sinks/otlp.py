@@ -77,14 +77,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
 import re
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Self
 from urllib.parse import unquote, urlsplit
 
 import orjson
@@ -108,13 +107,15 @@ from opentelemetry.trace import (
     TraceFlags,
     set_span_in_context,
 )
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
+from pydantic import Field, field_validator
 
-from tracejudge import __version__
-from tracejudge.consumer.config import ConfigError
-from tracejudge.consumer.sinks.base import RetryLater, Sink, SinkBatch, SinkRecord, WriteReport
-from tracejudge.metrics.judges.secrets import redact_url, url_problem
+from tracejudge.consumer.sinks.base import RetryLater, Sink, SinkBatch, SinkRecord, SinkSection, WriteReport
+from tracejudge.metrics.judges.secrets import SECRET, redact_url, url_problem
+from tracejudge.metrics.telemetry.sinks import SinkWriteMetrics
+from tracejudge.schemas.errors import ConfigError
 from tracejudge.schemas.session import SessionResult
+from tracejudge.schemas.version import __version__
 
 __all__ = ["EVENT_NAME", "OtlpSink", "OtlpSinkSettings"]
 
@@ -130,7 +131,6 @@ REMEMBER_VERDICTS = 100_000
 # Retry-after offered to the runtime after consecutive failed writes: 1, 2, 4, … up to this.
 
 _COMPRESSIONS = {"none": Compression.NoCompression, "gzip": Compression.Gzip, "deflate": Compression.Deflate}
-_KEYS = ("endpoint", "headers", "headers_env", "emit_spans", "timeout_s", "compression")
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 _BAD_VALUE = re.compile(r"[\r\n\x00]")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -138,8 +138,6 @@ _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 # A judge error is "<reason>: <detail>" (tracejudge.metrics.judges.runner); the reason is low-cardinality.
 _ERROR_REASON = re.compile(r"^([a-z][a-z0-9_.]{0,63}):")
-_TRUE = frozenset({"true", "1", "yes", "on"})
-_FALSE = frozenset({"false", "0", "no", "off"})
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _SCOPE = InstrumentationScope("tracejudge.sink.otlp", __version__)
 
@@ -150,16 +148,21 @@ _LOGS, _SPANS, _REPORTED = 1, 2, 4
 # --- settings -----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class OtlpSinkSettings:
+_COMPRESSION_NAMES = tuple(_COMPRESSIONS)
+
+
+class OtlpSinkSettings(SinkSection):
     """The `sink.otlp` section. `headers` holds the effective headers (configured ones, overridden
-    by the environment variable `headers_env`); their values are secrets (see `redacted`)."""
+    by the environment variable `headers_env` at start-up, `resolve`); their values are secrets
+    (never shown, never quoted in an error)."""
+
+    section_key: ClassVar[str] = "sink.otlp"
 
     endpoint: str = DEFAULT_ENDPOINT
-    headers: Mapping[str, str] = field(default_factory=dict, repr=False)
+    headers: Annotated[Mapping[str, str], SECRET] = Field(default_factory=dict, repr=False)
     headers_env: str | None = DEFAULT_HEADERS_ENV
     emit_spans: bool = False
-    timeout_s: float = 10.0
+    timeout_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
     compression: str = "gzip"
 
     @property
@@ -170,94 +173,58 @@ class OtlpSinkSettings:
     def traces_url(self) -> str:
         return self.endpoint + "/v1/traces"
 
-    def redacted(self) -> dict[str, Any]:
-        """The settings as plain values, header values replaced by '**********'."""
-        return {"endpoint": redact_url(self.endpoint),
-                "headers": dict.fromkeys(sorted(self.headers), "**********"),
-                "headers_env": self.headers_env, "emit_spans": self.emit_spans, "timeout_s": self.timeout_s,
-                "compression": self.compression}
-
+    @field_validator("endpoint", mode="before")
     @classmethod
-    def from_mapping(cls, d: Mapping[str, Any] | None, where: str = "sink.otlp", *,
-                     env: Mapping[str, str] | None = None) -> OtlpSinkSettings:
-        """Validate the section (YAML values, or strings from environment overrides). Raises
-        `ConfigError` naming every bad key (`sink.otlp.timeout_s: must be > 0, got '-1'`); header
-        values are never quoted in an error. `env` (default `os.environ`) is read for `headers_env`."""
-        env = os.environ if env is None else env
-        d = {} if d is None else d
-        problems: list[tuple[str, str]] = []
-        if not isinstance(d, Mapping):
-            raise ConfigError([(where, f"must be a mapping, got {type(d).__name__}")])
+    def _endpoint(cls, v: Any) -> str:
+        return _endpoint(v)
 
-        def key(name: str) -> str:
-            return f"{where}.{name}"
-
-        known = ", ".join(_KEYS)
-        problems.extend((key(str(k)), f"unknown key (known: {known})") for k in d if k not in _KEYS)
-
-        endpoint = DEFAULT_ENDPOINT
-        if d.get("endpoint") is not None:
-            try:
-                endpoint = _endpoint(d["endpoint"])
-            except ValueError as exc:
-                problems.append((key("endpoint"), str(exc)))
-
+    @field_validator("headers", mode="before")
+    @classmethod
+    def _headers(cls, v: Any) -> dict[str, str]:
+        if isinstance(v, str):  # an environment override: the name=value,… form
+            return parse_headers(v)
+        if not isinstance(v, Mapping):
+            raise ValueError(f"must be a mapping of header names to values, got {type(v).__name__}")
         headers: dict[str, str] = {}
-        raw = d.get("headers")
-        if isinstance(raw, str):  # an environment override: the name=value,… form
+        problems: list[tuple[str, str]] = []
+        for name, value in v.items():
             try:
-                headers.update(parse_headers(raw))
+                headers[_header_name(name)] = _header_value(value)
             except ValueError as exc:
-                problems.append((key("headers"), str(exc)))
-        elif isinstance(raw, Mapping):
-            for name, value in raw.items():
-                try:
-                    headers[_header_name(name)] = _header_value(value)
-                except ValueError as exc:
-                    problems.append((key(f"headers.{name}"), str(exc)))
-        elif raw is not None:
-            problems.append((key("headers"), f"must be a mapping of header names to values, got "
-                                             f"{type(raw).__name__}"))
-
-        headers_env: str | None = DEFAULT_HEADERS_ENV
-        if "headers_env" in d:
-            headers_env = d["headers_env"] or None
-            if headers_env is not None and not (isinstance(headers_env, str)
-                                                and _ENV_NAME.match(headers_env)):
-                # Not quoted: a value here may be the headers themselves (`authorization=Bearer ...`).
-                problems.append((key("headers_env"), "must be the name of an environment variable "
-                                 "(letters, digits and '_') that holds the headers, not the headers"))
-                headers_env = None
-        if headers_env and env.get(headers_env):
-            try:
-                headers.update(parse_headers(env[headers_env]))
-            except ValueError as exc:
-                problems.append((key("headers_env"), f"{headers_env}: {exc}"))
-
-        emit_spans = False
-        if d.get("emit_spans") is not None:
-            try:
-                emit_spans = _bool(d["emit_spans"])
-            except ValueError as exc:
-                problems.append((key("emit_spans"), str(exc)))
-
-        timeout_s = 10.0
-        if d.get("timeout_s") is not None:
-            try:
-                timeout_s = _positive(d["timeout_s"])
-            except ValueError as exc:
-                problems.append((key("timeout_s"), str(exc)))
-
-        compression = "gzip"
-        if d.get("compression") is not None:
-            compression = str(d["compression"]).strip().lower()
-            if compression not in _COMPRESSIONS:
-                problems.append((key("compression"), f"must be one of {', '.join(_COMPRESSIONS)}, "
-                                                     f"got {d['compression']!r}"))
+                problems.append((str(name), str(exc)))
         if problems:
-            raise ConfigError(problems)
-        return cls(endpoint=endpoint, headers=headers, headers_env=headers_env, emit_spans=emit_spans,
-                   timeout_s=timeout_s, compression=compression)
+            raise ConfigError(problems)  # each header's own key: `headers.<name>`
+        return headers
+
+    @field_validator("headers_env", mode="before")
+    @classmethod
+    def _headers_env(cls, v: Any) -> str | None:
+        if v is None or v == "":
+            return None
+        if not (isinstance(v, str) and _ENV_NAME.match(v)):
+            # Not quoted: a value here may be the headers themselves (`authorization=Bearer ...`).
+            raise ValueError("must be the name of an environment variable (letters, digits and '_') that "
+                             "holds the headers, not the headers")
+        return v
+
+    @field_validator("compression", mode="before")
+    @classmethod
+    def _compression(cls, v: Any) -> str:
+        name = str(v).strip().lower()
+        if name not in _COMPRESSIONS:
+            raise ValueError(f"must be one of {', '.join(_COMPRESSION_NAMES)}, got {v!r}")
+        return name
+
+    def resolve(self, env: Mapping[str, str]) -> Self:
+        """The headers of `headers_env` over the configured ones (a malformed variable names the
+        variable and the entry, never a value)."""
+        if not (self.headers_env and env.get(self.headers_env)):
+            return self
+        try:
+            from_env = parse_headers(env[self.headers_env])
+        except ValueError as exc:
+            raise ConfigError("headers_env", f"{self.headers_env}: {exc}") from None
+        return self.model_copy(update={"headers": {**self.headers, **from_env}})
 
 
 def parse_headers(text: str) -> dict[str, str]:
@@ -313,24 +280,6 @@ def _endpoint(value: Any) -> str:
     return base
 
 
-def _bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-        return value.strip().lower() in _TRUE
-    raise ValueError(f"must be true or false, got {value!r}")
-
-
-def _positive(value: Any) -> float:
-    try:
-        number = float(value) if not isinstance(value, bool) else math.nan
-    except (TypeError, ValueError):
-        raise ValueError(f"must be a number, got {value!r}") from None
-    if not math.isfinite(number) or number <= 0:
-        raise ValueError(f"must be > 0, got {value!r}")
-    return number
-
-
 # --- the sink -----------------------------------------------------------------------------------
 
 
@@ -368,18 +317,10 @@ class OtlpSink(Sink):
                                         timeout=settings.timeout_s, compression=compression)
                        if settings.emit_spans else None)
 
-        registry = registry if registry is not None else CollectorRegistry()
-        self._writes = Counter("tracejudge_sink_writes", "Verdicts a sink wrote, or found already written "
-                               "(a redelivered result).", ["sink", "outcome"], registry=registry)
-        self._skipped = Counter("tracejudge_sink_skipped", "Verdicts a sink deliberately did not write, "
-                                "by reason.", ["sink", "reason"], registry=registry)
-        self._retries = Counter("tracejudge_sink_retries", "Batches a sink could not write and asked to "
-                                "be offered again, by reason.", ["sink", "reason"], registry=registry)
-        for outcome in ("written", "already_written"):
-            self._writes.labels(self.kind, outcome)
-        self._skipped.labels(self.kind, "no_trace_id")
-        for reason in ("logs_export_failed", "spans_export_failed"):
-            self._retries.labels(self.kind, reason)
+        metrics = SinkWriteMetrics(self.kind, registry if registry is not None else CollectorRegistry(),
+                                   skip_reasons=("no_trace_id",),
+                                   retry_reasons=("logs_export_failed", "spans_export_failed"))
+        self._writes, self._skipped, self._retries = metrics.writes, metrics.skipped, metrics.retries
 
     # -- Sink ------------------------------------------------------------------------------------
 

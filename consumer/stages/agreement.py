@@ -23,13 +23,14 @@ State is in memory and per process: records are committed once read, and a resta
 waiting. Run one replica, or key both topics by trace id so a label and its verdict meet on the same
 partition number of their topics. Shadow judges' verdicts and backfill results are not compared (they
 are not the live judge's verdicts).
+
+Neighbours: the command's arguments are `consumer/commands/agreement.py`, the stage's Prometheus series
+(`AgreementMetrics`) `metrics/telemetry/agreement.py`.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
-import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -38,50 +39,19 @@ from typing import Any
 
 import orjson
 from kafka.structs import TopicPartition
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
-from tracejudge.consumer.config import ConfigError, Settings, load_settings
-from tracejudge.consumer.runtime.arguments import GROUP_METAVAR, TOPIC_METAVAR, add_stage_arguments
-from tracejudge.consumer.runtime.loop import (
-    ConsumerMetrics,
-    ConsumerRuntime,
-    Stage,
-    stage_main,
-)
-from tracejudge.consumer.stages.sink import BadResult, decode_line
-from tracejudge.metrics.telemetry.evaluation import AppLabelLimiter
-from tracejudge.metrics.telemetry.trust import TrustMetrics
+from tracejudge.consumer.config import ConfigError, Settings
+from tracejudge.consumer.runtime.loop import ConsumerRuntime
+from tracejudge.consumer.runtime.stage import Stage
+from tracejudge.metrics.telemetry.agreement import AgreementMetrics
 from tracejudge.schemas.formats.labels import normalise_id
+from tracejudge.schemas.results_line import BadResult, decode_line
 
-__all__ = ["AgreementPlan", "AgreementRunner", "AgreementStage", "Joiner", "add_arguments", "main",
-           "plan_agreement"]
+__all__ = ["DEFAULT_GROUP", "AgreementPlan", "AgreementRunner", "AgreementStage", "Joiner", "plan_agreement"]
 
 log = logging.getLogger("tracejudge.agreement")
 DEFAULT_GROUP = "tracejudge-agreement"
-SIDES = ("verdict", "label")
-
-
-class AgreementMetrics(ConsumerMetrics):
-    """The runtime's series, the trust series (`TrustMetrics`) and the join's own."""
-
-    def __init__(self, registry: CollectorRegistry, *, max_apps: int, judges: Iterable[str] | None) -> None:
-        super().__init__(registry)
-        r = registry
-        self.app_overflow = Counter("tracejudge_app_label_overflow", "Labels whose app was exported as "
-                                    "'other' because the distinct-app cap was reached.", registry=r)
-        self.apps = AppLabelLimiter(max_apps, self.app_overflow)
-        self.trust = TrustMetrics(r, self.apps, judges=judges)
-        self.pending = Gauge("tracejudge_agreement_pending", "Verdicts waiting for labels and labels "
-                             "waiting for verdicts, by side.", ["side"], registry=r)
-        self.evicted = Counter("tracejudge_agreement_evicted", "Entries dropped before their window ended "
-                               "because agreement.max_pending was reached, by side.", ["side"], registry=r)
-        self.records = Counter("tracejudge_agreement_records", "Records read, by input (results or labels) "
-                               "and outcome (ok, invalid).", ["input", "outcome"], registry=r)
-        for side in SIDES:
-            self.evicted.labels(side)
-        for kind in ("results", "labels"):
-            for outcome in ("ok", "invalid"):
-                self.records.labels(kind, outcome)
 
 
 @dataclass(slots=True)
@@ -313,46 +283,3 @@ class AgreementRunner(ConsumerRuntime):
         super().__init__(settings, stage, metrics, registry, log=log, title="tracejudge agreement",
                          group_id=plan.group_id)
         self.joiner = stage.joiner
-
-
-# -- command line ---------------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `tracejudge agreement`; each overrides its configuration key."""
-    add_stage_arguments(parser, "agreement", config_help="YAML configuration file (its agreement: section)")
-    parser.add_argument("--group-id", metavar=GROUP_METAVAR,
-                        help=f"consumer group (agreement.group_id, default {DEFAULT_GROUP})")
-    parser.add_argument("--results-topic", metavar=TOPIC_METAVAR,
-                        help="the results topic to read (agreement.results_topic, "
-                             "default stream.results_topic)")
-    parser.add_argument("--labels-topic", metavar=TOPIC_METAVAR,
-                        help="the human labels topic (agreement.labels_topic)")
-
-
-def settings_from_args(args: argparse.Namespace) -> Settings:
-    overrides = {"kafka.bootstrap_servers": getattr(args, "bootstrap_servers", None),
-                 "agreement.group_id": getattr(args, "group_id", None),
-                 "agreement.results_topic": getattr(args, "results_topic", None),
-                 "agreement.labels_topic": getattr(args, "labels_topic", None),
-                 "http.port": getattr(args, "metrics_port", None),
-                 "http.bind_address": getattr(args, "metrics_bind_address", None),
-                 "logging.level": getattr(args, "log_level", None)}
-    return load_settings(getattr(args, "config", None), overrides=overrides, require_topics=False)
-
-
-def main(args: argparse.Namespace) -> int:
-    """Entry point of `tracejudge agreement`: 0 after a clean stop, 1 when it cannot start, 2 on bad
-    configuration (reported before anything connects)."""
-    return stage_main("agreement", args, settings_from_args, AgreementRunner, plan=plan_agreement,
-                      show=lambda key: key.startswith(("agreement.", "kafka.", "http.", "logging.",
-                                                       "prometheus.")),
-                      effective=lambda plan: {"agreement.results_topic": plan.results_topic,
-                                              "agreement.group_id": plan.group_id})
-
-
-if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="tracejudge agreement", description=__doc__.splitlines()[0])
-    _parser.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (logging.level)")
-    add_arguments(_parser)
-    sys.exit(main(_parser.parse_args()))

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tracejudge.consumer.config import AssemblySettings  # the `otlp.assembly` section
 from tracejudge.metrics.telemetry.assembly import (
     REASON_COMPLETE,
     REASON_EVICTED,
@@ -59,35 +60,6 @@ class Ticket(Protocol):
     def acquire(self) -> None: ...
 
     def release(self) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class AssemblySettings:
-    """Assembly limits; `validate()` names the offending key (config path `otlp.assembly.<key>`)."""
-
-    # Emit a trace this long after its last span arrived, once its root span is in.
-    quiet_period_s: float = 5.0
-    # Emit a trace (incomplete) this long after its first span arrived, root or not.
-    max_wait_s: float = 60.0
-    # Caps on memory: beyond them the oldest open traces are emitted as they are (`evicted`).
-    max_open_traces: int = 20_000
-    max_spans_held: int = 200_000
-    # How many emitted trace ids are remembered to recognise late spans.
-    remember_emitted: int = 100_000
-
-    def validate(self) -> AssemblySettings:
-        for key in ("quiet_period_s", "max_wait_s"):
-            value = getattr(self, key)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{key}: must be a positive number of seconds, got {value!r}")
-        if self.max_wait_s < self.quiet_period_s:
-            raise ValueError(f"max_wait_s: must be at least quiet_period_s ({self.quiet_period_s}), "
-                             f"got {self.max_wait_s}")
-        for key in ("max_open_traces", "max_spans_held", "remember_emitted"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{key}: must be a positive integer, got {value!r}")
-        return self
 
 
 @dataclass(slots=True)
@@ -133,7 +105,7 @@ class TraceAssembler:
                  clock: Callable[[], float] = time.monotonic,
                  metrics: AssemblyMetrics | None = None, app_tag: str | None = None,
                  session_tag: str | None = None) -> None:
-        self.settings = (settings or AssemblySettings()).validate()
+        self.settings = settings or AssemblySettings()
         self.app_tag = app_tag
         self.session_tag = session_tag
         self._clock = clock

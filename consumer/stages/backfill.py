@@ -9,9 +9,10 @@ backfill, e.g. to score last week's traffic with a new judge version.
                                   OffsetTracker ──lowest incomplete offset──▶ commit (own group)
 
 Why it is built this way:
-- Same scores as the stream: records go through `RecordProcessor` (`consumer/stages/run.py`), the very
-  per-record path of `tracejudge run`, OTLP spans through the same trace assembly; only the sinks
-  differ (results are marked, rejects are counted and logged rather than dead-lettered again).
+- Same scores as the stream: records go through `RecordProcessor` (`consumer/stages/processing.py`),
+  the very per-record path of `tracejudge run`, OTLP spans through the same trace assembly; only the sinks
+  differ (results are marked, rejects are counted and logged rather than dead-lettered again), set
+  into the runtime's producer (`consumer/runtime/producer.py`), which sends, re-sends and drains.
 - Resumable: its own consumer group, named after a run id derived from the topics, the range and the
   judges, so the same command finds its committed offsets and continues where it stopped. Offsets
   are committed only once the results before them are acknowledged by the broker (tickets, as in
@@ -29,57 +30,45 @@ Why it is built this way:
 - Judges are never thinned for capacity: at most `judges.max_in_flight` records are judged at once
   and reading waits for a free slot, where the live stream would skip as `overloaded`. Sampling
   (`sample_rate`) and filters still apply, so a backfill judges the same deterministic sample.
+
+Neighbours: the command (arguments, the progress endpoint, the summary, the resume command) is
+`consumer/commands/backfill.py`, its progress series `metrics/telemetry/backfill.py`, the judges' tally
+`metrics/summary.py`.
 """
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import hashlib
 import json
 import logging
 import re
-import shlex
-import signal
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import IO, Any
 
-from kafka import KafkaConsumer, KafkaProducer
-from kafka.errors import KafkaError
+from kafka import KafkaConsumer
 from kafka.structs import TopicPartition
-from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
-from tracejudge.consumer.commands.eval import JudgeTally
-from tracejudge.consumer.config import ConfigError, Settings, load_settings
+from tracejudge.consumer.config import Settings
 from tracejudge.consumer.pipeline import build_pipeline
-from tracejudge.consumer.runtime.arguments import (
-    GROUP_METAVAR,
-    TOPIC_METAVAR,
-    add_bootstrap_servers_argument,
-    add_config_argument,
-    add_metrics_arguments,
-    metrics_port_default,
-)
-from tracejudge.consumer.runtime.exit_status import SERVICE_FAILED
-from tracejudge.consumer.runtime.http import OperationsServer
-from tracejudge.consumer.runtime.loop import Exports
-from tracejudge.consumer.runtime.offsets import OffsetTracker, Releasable
+from tracejudge.consumer.runtime.offsets import Exports, OffsetTracker, Releasable
+from tracejudge.consumer.runtime.producer import Outputs, Producing
 from tracejudge.consumer.runtime.producing import DeadLetterSink, Publisher, ResultSink
-from tracejudge.consumer.stages.run import _ASSEMBLED, RecordProcessor
+from tracejudge.consumer.stages.processing import ASSEMBLED, RecordProcessor
 from tracejudge.metrics.judges.config import JudgeConfigError
 from tracejudge.metrics.judges.runner import JudgeRunner
+from tracejudge.metrics.summary import JudgeTally
+from tracejudge.metrics.telemetry.backfill import ProgressSnapshot
 from tracejudge.metrics.telemetry.evaluation import PrometheusExporter
+from tracejudge.schemas.errors import BackfillError, StartupError
 from tracejudge.schemas.record import EvalRecord
 from tracejudge.schemas.result import Assessment, Backfill, EvaluationResult, SourceRef
 
-__all__ = ["BackfillError", "BackfillRun", "BackfillTally", "add_arguments", "main", "parse_time", "run_id"]
+__all__ = ["BackfillError", "BackfillRun", "BackfillTally", "parse_time", "run_id"]
 
 log = logging.getLogger("tracejudge.backfill")
 
@@ -88,10 +77,6 @@ COMMIT_EVERY_SECONDS = 1.0
 BEFORE_RANGE = "before_range"
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-class BackfillError(Exception):
-    """Cannot start: bad arguments, no judges, no results topic, unknown topic."""
 
 
 def parse_time(text: str, now: float | None = None) -> float:
@@ -171,6 +156,13 @@ class BackfillTally:
                     part.judged += 1
             for a in result.assessments:
                 self.judges.setdefault(a.name, JudgeTally()).add(a)
+
+    def snapshot(self) -> ProgressSnapshot:
+        """The tally as the progress series read it (`metrics/telemetry/backfill.py`)."""
+        with self._lock:
+            parts = list(self.partitions.values())
+            return ProgressSnapshot(read=self.read, published=self.judged, skipped=dict(self.skipped),
+                                    partitions_done=sum(1 for p in parts if p.done), partitions=len(parts))
 
     def remaining(self, position: Callable[[TopicPartition], int | None]) -> int | None:
         """Records left to read, when every partition's end is known."""
@@ -286,14 +278,19 @@ class BackfillRun:
     def run(self) -> BackfillTally:
         s = self.settings
         config = {**s.kafka.consumer_config(), "group_id": self.group_id, "auto_offset_reset": "earliest"}
+        exporter = PrometheusExporter(max_apps=s.prometheus.max_apps)  # private, never served
+        producing = self._producing(exporter)
         try:
             consumer = KafkaConsumer(**config)
             try:
-                producer = KafkaProducer(**s.kafka.client_config(), **s.producer.producer_config())
                 try:
-                    self._run(consumer, producer)
+                    producing.open()
+                except StartupError as exc:
+                    raise BackfillError(str(exc)) from exc
+                try:
+                    self._run(consumer, producing, exporter)
                 finally:
-                    producer.close(timeout=5)
+                    producing.close()
             finally:
                 consumer.close(autocommit=False)
         finally:
@@ -310,15 +307,23 @@ class BackfillRun:
         future.add_done_callback(lambda _f: self._slots.release())
         return future
 
-    def _run(self, consumer: KafkaConsumer, producer: KafkaProducer) -> None:
+    def _producing(self, exporter: PrometheusExporter) -> Producing:
+        """The runtime's producer with the backfill's publishers: results marked as this run's,
+        rejects only counted (the live stream dead-lettered them already)."""
+
+        def results(publisher: Publisher | None, rejects: DeadLetterSink) -> ResultSink:
+            return _MarkedResults(self.marker, self.tally, publisher, self.results_topic, exporter, rejects)
+
+        return Producing(self.settings, Outputs(
+            metrics=exporter, results_topic=self.results_topic, make_results=results,
+            make_dead_letters=lambda _publisher: _CountedRejects(self.tally, exporter)), logger=log)
+
+    def _run(self, consumer: KafkaConsumer, producing: Producing, exporter: PrometheusExporter) -> None:
         s = self.settings
-        exporter = PrometheusExporter(max_apps=s.prometheus.max_apps)  # private, never served
-        publisher = Publisher(producer, retry_backoff=s.producer.retry_backoff_seconds)
-        rejects = _CountedRejects(self.tally, exporter)
-        results = _MarkedResults(self.marker, self.tally, publisher, self.results_topic, exporter, rejects)
+        results, rejects = producing.results, producing.dead_letters
         formats = {t.name: t.format for t in s.stream.topics}
         assembler = None
-        if any(f in _ASSEMBLED for f in formats.values()):
+        if any(f in ASSEMBLED for f in formats.values()):
             from tracejudge.consumer.stages.assembly import TraceAssembler
 
             assembler = TraceAssembler(s.otlp.assembly.to_settings(), app_tag=s.stream.app_tag,
@@ -334,7 +339,7 @@ class BackfillRun:
             if self.stop_event.is_set():
                 break
             batches = consumer.poll(timeout_ms=200)
-            publisher.run_due_retries()
+            producing.run_due_retries()
             limited = False
             for tp, records in batches.items():
                 limited = not self._take(parts[tp], records, processor, tracker) or limited
@@ -358,11 +363,8 @@ class BackfillRun:
             # Stopped early: their records stay uncommitted and are read again on resume.
             processor.discard_assembly()
         self.interrupted = not self.completed
-        deadline = time.monotonic() + 30.0
-        while exports.count and (left := deadline - time.monotonic()) > 0:
-            publisher.run_due_retries()
-            exports.wait_idle(min(0.05, left))
-        producer.flush(timeout=10)
+        producing.settle(time.monotonic() + 30.0, lambda: exports.count, wait=exports.wait_idle)
+        producing.flush(10)
         self._commit(consumer, tracker)
 
     def _assign(self, consumer: KafkaConsumer) -> dict[TopicPartition, _Partition]:
@@ -452,161 +454,3 @@ class BackfillRun:
         skipped = sum(t.skipped.values())
         print(f"... backfill {self.run_id}: {t.read} read, {t.judged} judged, {skipped} skipped "
               f"({rate:.0f}/s, ETA {eta}); read/judged: {per}", file=self.out, flush=True)
-
-
-# -- command line ---------------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--from", dest="start", required=True, metavar="TIME",
-                        help="re-judge records from this time: ISO 8601, epoch seconds, or a duration ago "
-                             "(6h, 7d)")
-    parser.add_argument("--to", dest="end", metavar="TIME",
-                        help="up to (not including) this time (default: the topics' end when the run starts)")
-    add_config_argument(parser, "the YAML file `tracejudge run` reads (topics, judges, results topic)",
-                        required=True)
-    add_bootstrap_servers_argument(parser)
-    parser.add_argument("--judges", metavar="A,B", help="the judges to run (default: every configured judge)")
-    parser.add_argument("--group-id", metavar=GROUP_METAVAR,
-                        help="consumer group (default: tracejudge-backfill-<run id>, so the same command "
-                             "resumes)")
-    parser.add_argument("--results-topic", metavar=TOPIC_METAVAR,
-                        help="publish the results here (default: stream.results_topic)")
-    # Not http.port: the file is the running stream's, whose port is taken by `tracejudge run`.
-    add_metrics_arguments(parser, "backfill", key=False)
-
-
-class _Progress(Collector):
-    """The run's tally as Prometheus series, read at each scrape (`tracejudge_backfill_*`): what a
-    dashboard or a Job's scrape needs to follow a long backfill. Never the judges' own series, which
-    stay the live stream's."""
-
-    def __init__(self, run: BackfillRun) -> None:
-        self.run = run
-
-    def collect(self) -> Iterator[Metric]:
-        t = self.run.tally
-        with t._lock:
-            read, published, skipped = t.read, t.judged, dict(t.skipped)
-            parts = list(t.partitions.values())
-        family = CounterMetricFamily("tracejudge_backfill_records_read", "Records of the range read.")
-        family.add_metric([], read)
-        yield family
-        family = CounterMetricFamily("tracejudge_backfill_results_published",
-                                     "Results published to the results topic, marked as this backfill.")
-        family.add_metric([], published)
-        yield family
-        family = CounterMetricFamily("tracejudge_backfill_records_skipped",
-                                     "Records read but not judged, by reason (before_range, undecodable).",
-                                     labels=["reason"])
-        for reason, n in sorted(skipped.items()):
-            family.add_metric([reason], n)
-        yield family
-        gauge = GaugeMetricFamily("tracejudge_backfill_partitions",
-                                  "Partitions of the range: reading, or done (read to the range's end).",
-                                  labels=["state"])
-        done = sum(1 for p in parts if p.done)
-        gauge.add_metric(["done"], done)
-        gauge.add_metric(["reading"], len(parts) - done)
-        yield gauge
-
-
-def _serve_progress(run: BackfillRun, args: argparse.Namespace, settings: Settings,
-                    err: IO[str]) -> tuple[OperationsServer | None, bool]:
-    """Serve `_Progress` on `--metrics-port` (default 9468) unless `http.enabled` is false: (the server,
-    True), or (None, False) when the port the user asked for cannot be bound. The default port taken
-    (another backfill on this host) only warns: the metrics are an extra, the terminal has the progress."""
-    if not settings.http.enabled:
-        return None, True
-    port = args.metrics_port if getattr(args, "metrics_port", None) is not None \
-        else metrics_port_default("backfill")
-    host = getattr(args, "metrics_bind_address", None) or settings.http.bind_address
-    registry = CollectorRegistry(auto_describe=True)
-    registry.register(_Progress(run))
-    try:
-        server = OperationsServer(registry, host=host, port=port).start()
-    except OSError as exc:
-        asked = getattr(args, "metrics_port", None) is not None
-        print(f"tracejudge backfill: cannot serve metrics on {host}:{port} (--metrics-port): "
-              f"{exc.strerror or exc}; {'' if asked else 'going on without them; '}"
-              "--metrics-port 0 picks a free port", file=err)
-        return None, not asked
-    print(f"tracejudge backfill: progress metrics on http://{host}:{server.port}/metrics", file=err)
-    return server, True
-
-
-def main(args: argparse.Namespace, *, stop_event: threading.Event | None = None) -> int:
-    """0 when the range is done, 130 when interrupted (Ctrl-C), 1 when it cannot run, 2 on bad input."""
-    err = sys.stderr
-    try:
-        now = time.time()
-        start = parse_time(args.start, now)
-        end = parse_time(args.end, now) if args.end else None
-        overrides = {"kafka.bootstrap_servers": args.bootstrap_servers}
-        settings = load_settings(args.config, overrides=overrides)
-        judges = [j.strip() for j in args.judges.split(",") if j.strip()] if args.judges else None
-        stop = stop_event or threading.Event()
-        run = BackfillRun(settings, start=start, end=end, judges=judges, group_id=args.group_id,
-                          results_topic=args.results_topic, stop_event=stop, out=err)
-    except ConfigError as exc:
-        print(f"tracejudge backfill: invalid configuration\n{exc.report()}", file=err)
-        return 2
-    except BackfillError as exc:
-        print(f"tracejudge backfill: {exc}", file=err)
-        return 2
-    judged = ", ".join(run.judges.judge_names())
-    print(f"tracejudge backfill {run.run_id}: {', '.join(run.topics)} from {_iso(start)} to "
-          f"{_iso(end) if end is not None else 'the end at start'}; judges {judged}; group {run.group_id}; "
-          f"results to {run.results_topic}", file=err)
-    server, served = _serve_progress(run, args, settings, err)
-    if not served:
-        run.judges.close()
-        return SERVICE_FAILED
-    previous = _on_sigint(stop) if threading.current_thread() is threading.main_thread() else None
-    try:
-        tally = run.run()
-    except BackfillError as exc:
-        print(f"tracejudge backfill: {exc}", file=err)
-        return SERVICE_FAILED
-    except KafkaError as exc:
-        print(f"tracejudge backfill: cannot read from Kafka ({', '.join(settings.kafka.bootstrap_servers)}): "
-              f"{type(exc).__name__}: {exc}", file=err)
-        return SERVICE_FAILED
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
-        if server is not None:
-            server.stop()
-    if run.tally.resumed:
-        print(f"resumed {run.tally.resumed} partitions from the group's committed offsets", file=err)
-    print(f"tracejudge backfill {run.run_id} {'summary' if run.completed else 'stopped'}", file=err)
-    print(tally.render(), file=err)
-    if not run.completed:
-        command = _resume_command(args, start, end)
-        print(f"interrupted: what was published is committed; resume with the same command:\n  {command}",
-              file=err)
-        return 130
-    return 0
-
-
-def _on_sigint(stop: threading.Event) -> Any:
-    """Ctrl-C sets `stop`: the loop finishes what it handed on, commits, and the run reports."""
-    return signal.signal(signal.SIGINT, lambda _sig, _frame: stop.set())
-
-
-def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def _resume_command(args: argparse.Namespace, start: float, end: float | None) -> str:
-    """The command that resumes this run: the same arguments, with a relative `--from 6h` written as
-    the absolute time it meant (a new "6h ago" would be another range, another run)."""
-    words = ["tracejudge", "backfill", "--from", _iso(start)]
-    if end is not None:
-        words += ["--to", _iso(end)]
-    words += ["--config", str(args.config)]
-    for flag in ("judges", "group_id", "results_topic", "bootstrap_servers", "metrics_port",
-                 "metrics_bind_address"):
-        if (value := getattr(args, flag, None)) is not None:
-            words += [f"--{flag.replace('_', '-')}", str(value)]
-    return shlex.join(words)

@@ -4,11 +4,16 @@ One Python process runs one thread at a time: kafka-python's IO thread and the p
 and decoding a 20 KB trace costs about twice what fetching it does. With `stream.decode_workers: N`
 the poll loop hands each fetched batch of single-record formats (MLflow, agent-evaluation records,
 inference logs) to a worker process, which runs the same `Pipeline.normalise` + `Pipeline.evaluate`
-the loop would, and sends back the evaluation records:
+the loop would, and sends back each whole `EvaluationResult`:
 
     poll loop ──batch──▶ sender thread ──pipe──▶ worker process (Pipeline built from the same settings)
                                                         │
     RecordProcessor.finish_decoded ◀── receiver thread ◀┘   (exports, publishes, releases the ticket)
+
+Both ways of decoding sit behind one interface, `Decoder`: `InlineDecoder` (on the poll thread) and
+`WorkerPoolDecoder` (this pool, falling back to inline decoding); `RecordProcessor`
+(`consumer/stages/processing.py`) hands every single-record format to its decoder and is told the
+outcome through `finish_decoded`, whichever decoded it.
 
 Nothing changes for at-least-once: a record's ticket is held by an export from the moment it is handed
 over, so the in-flight cap, revocation and shutdown wait for it like for any other export. A worker that
@@ -48,20 +53,22 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import msgspec
 
 from tracejudge.consumer.runtime import gc_policy
+from tracejudge.consumer.runtime.offsets import Export
 from tracejudge.schemas.errors import RecordError, exception_text
 from tracejudge.schemas.record import EvalRecord
+from tracejudge.schemas.result import EvaluationResult, SourceRef
 
 if TYPE_CHECKING:
     from tracejudge.consumer.config import Settings
     from tracejudge.consumer.pipeline import Pipeline
 
-__all__ = ["DECODE", "EVALUATE", "DecodePool", "Decoded", "WorkerStartError", "auto_workers",
-           "available_cpus", "decode_one"]
+__all__ = ["DECODE", "EVALUATE", "DecodePool", "Decoded", "Decoder", "Handed", "InlineDecoder",
+           "WorkerPoolDecoder", "WorkerStartError", "auto_workers", "available_cpus", "decode_one"]
 
 log = logging.getLogger("tracejudge.run")
 
@@ -73,11 +80,10 @@ _STOP = b""
 
 
 class Decoded(msgspec.Struct, array_like=True, gc=False):
-    """What a worker says of one record: its evaluation record and metrics, or why there is none."""
+    """What a decoder says of one record: its whole evaluation result (record, metrics, metric
+    errors; the source is the consumer's to fill in), or why there is none."""
 
-    record: EvalRecord | None = None
-    metrics: dict[str, Any] | None = None
-    metric_errors: dict[str, str] | None = None
+    result: EvaluationResult | None = None
     source_format: str | None = None
     failed_at: str | None = None  # DECODE or EVALUATE
     reason: str | None = None  # the dead-letter reason
@@ -88,11 +94,22 @@ class Decoded(msgspec.Struct, array_like=True, gc=False):
     # Python-json fallback keeps): the consumer process decodes this record itself.
     redo: bool = False
 
+    @property
+    def record(self) -> EvalRecord | None:
+        return None if self.result is None else self.result.record
+
+    @property
+    def metrics(self) -> dict[str, Any] | None:
+        return None if self.result is None else self.result.metrics
+
+    @property
+    def metric_errors(self) -> dict[str, str] | None:
+        return None if self.result is None else self.result.metric_errors
+
 
 def decode_one(pipeline: Pipeline, value: bytes, fmt: str | None) -> Decoded:
     """`Pipeline.normalise` then `Pipeline.evaluate` of one payload; never raises."""
     from tracejudge.consumer.runtime.producing import PROCESSING_ERROR
-    from tracejudge.schemas.result import SourceRef
 
     started = time.perf_counter()
     try:
@@ -109,8 +126,7 @@ def decode_one(pipeline: Pipeline, value: bytes, fmt: str | None) -> Decoded:
         return Decoded(source_format=record.source_format, failed_at=EVALUATE, reason=PROCESSING_ERROR,
                        message=exception_text(exc), traceback=traceback.format_exc(),
                        seconds=time.perf_counter() - started)
-    return Decoded(record=record, metrics=result.metrics, metric_errors=result.metric_errors,
-                   source_format=record.source_format, seconds=time.perf_counter() - started)
+    return Decoded(result=result, source_format=record.source_format, seconds=time.perf_counter() - started)
 
 
 def serve(fd: int) -> None:
@@ -566,3 +582,116 @@ class DecodePool:
             fresh._wait(5)
             return
         log.info("decode worker %d restarted", index)
+
+
+# -- the one interface of decoding: here, or in the pool --------------------------------------------
+
+
+class Handed(NamedTuple):
+    """One record handed to a decoder, as the consumer process keeps it until it is finished."""
+
+    record: Any  # the fetched ConsumerRecord: its value, and its key and headers for a dead letter
+    source: SourceRef
+    export: Export  # holds the record's ticket until its result or dead letter is acknowledged
+    fmt: str | None  # the topic's format; None detects it
+    started: float  # time.perf_counter() when the poll loop took the record
+
+
+# Export, judge and publish (or dead-letter) what a decoder made of one record; never raises.
+Finish = Callable[[Handed, Decoded], None]
+# Observes a record's processing time (tracejudge_record_processing_seconds).
+Observe = Callable[[float], None]
+
+
+class Decoder(Protocol):
+    """Turns the records of single-record formats into evaluation results for `RecordProcessor`
+    (consumer/stages/processing.py), which binds itself once and is told of each outcome through
+    `finish`. A decoder observes each record's processing time: the poll thread's time for a record
+    decoded there, the worker's for one a worker decoded."""
+
+    def bind(self, pipeline: Pipeline, finish: Finish, observe: Observe) -> None: ...
+
+    def submit(self, item: Handed) -> None:
+        """Take over one record (its export holds the ticket); never raises."""
+
+    def flush(self) -> None:
+        """The poll's records are all in: hand on what was gathered."""
+
+    def close(self) -> None: ...
+
+
+class InlineDecoder:
+    """Decodes on the calling thread (the poll loop, or a pool's receiver for what a worker gave back)."""
+
+    def __init__(self) -> None:
+        self._pipeline: Pipeline | None = None
+        self._finish: Finish | None = None
+        self._observe: Observe | None = None
+
+    def bind(self, pipeline: Pipeline, finish: Finish, observe: Observe) -> None:
+        self._pipeline, self._finish, self._observe = pipeline, finish, observe
+
+    def submit(self, item: Handed) -> None:
+        self.decode((item,))
+
+    def decode(self, items: Sequence[Handed]) -> None:
+        pipeline, finish, observe = self._pipeline, self._finish, self._observe
+        assert pipeline is not None and finish is not None and observe is not None, "bind() first"
+        for item in items:
+            finish(item, decode_one(pipeline, item.record.value, item.fmt))
+            observe(time.perf_counter() - item.started)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class WorkerPoolDecoder:
+    """Hands a poll's records to a `DecodePool`, one batch per poll; decodes inline what no live worker
+    can take, what a dead worker held and a result that could not cross the process boundary."""
+
+    def __init__(self, settings: Settings, workers: int, *,
+                 on_worker_lost: Callable[[], None] | None = None) -> None:
+        self.pool = DecodePool(settings, workers, on_decoded=self._decoded, on_lost=self._lost,
+                               on_worker_lost=on_worker_lost)
+        self.inline = InlineDecoder()
+        self._batch: list[Handed] = []
+        self._finish: Finish | None = None
+        self._observe: Observe | None = None
+
+    def start(self, timeout: float = 120.0) -> WorkerPoolDecoder:
+        """Start the workers (`WorkerStartError` if one cannot)."""
+        self.pool.start(timeout)
+        return self
+
+    def bind(self, pipeline: Pipeline, finish: Finish, observe: Observe) -> None:
+        self.inline.bind(pipeline, finish, observe)
+        self._finish, self._observe = finish, observe
+
+    def submit(self, item: Handed) -> None:
+        if self.pool.alive:
+            self._batch.append(item)
+        else:
+            self.inline.submit(item)
+
+    def flush(self) -> None:
+        batch, self._batch = self._batch, []
+        if batch and not self.pool.submit(batch, [(item.record.value, item.fmt) for item in batch]):
+            self.inline.decode(batch)
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def _decoded(self, item: Handed, decoded: Decoded) -> None:
+        """A worker's answer (on its receiver thread)."""
+        if decoded.redo:
+            self.inline.decode((item,))
+            return
+        assert self._finish is not None and self._observe is not None, "bind() first"
+        self._observe(decoded.seconds)
+        self._finish(item, decoded)
+
+    def _lost(self, items: Sequence[Handed]) -> None:
+        self.inline.decode(items)

@@ -4,7 +4,9 @@ Plain dictionaries instead of a generator library: the JSON model is small, the 
 a test regenerates it and fails on drift, so review happens on the JSON diff. Conventions every panel
 follows (a test holds them): fixed dashboard uids, the Prometheus datasource is the `${datasource}`
 variable (so one file works in every Grafana, provisioned or imported), every panel that is not a row
-has at least one PromQL target, and histogram panels ask for exemplars, which carry the trace id.
+has at least one PromQL target, histogram panels ask for exemplars, which carry the trace id, a panel
+whose answer is 0 says 0 (an error, dead-letter, skip or retry counter that never moved has no series:
+`or_zero`), and every panel names why it can still be empty (`empty`, Grafana's "No value" text).
 
 Exemplar links: Grafana takes them from the Prometheus *datasource* (`exemplarTraceIdDestinations`),
 never from panel data links (a panel's field config is not applied to exemplar frames). The
@@ -41,6 +43,20 @@ MLFLOW_TRACE_URL = "http://localhost:5000/#/experiments/0/traces?selectedEvaluat
 MLFLOW_SESSION_URL = "http://localhost:5000/#/experiments/0/chat-sessions/"
 
 Json = dict[str, Any]
+
+# Why a panel can be empty when nothing is wrong: Grafana shows these ("No value") instead of "No data".
+# Panels whose answer is 0 when nothing happened say 0 instead (`or_zero`); these name what is missing.
+NO_VERDICTS = "No judge verdict in range (no judge configured, or no trace sampled)"
+NO_ELIGIBLE = "No trace eligible for a judge in range (no judge configured, or no traffic)"
+NO_CALIBRATION = "No calibration yet: run tracejudge calibrate, then set judges.calibration_file"
+NO_HUMAN_LABELS = "No human labels yet (labels on the traces, or tracejudge agreement)"
+NO_CANARIES = "No canaries configured (judges.canary)"
+NO_TRACE_COST = "No trace of known cost in range (tracejudge_cost_unknown_total says why)"
+NO_SPEND_CAP = "No spend cap configured (endpoints.<name>.usd_per_hour / usd_per_day)"
+NO_SESSIONS = "No session stage: run tracejudge sessions"
+NO_SESSION_JUDGES = "No session judge ran in range (sessions.judges), or no session stage"
+NO_SINK = "No write-back sink: run tracejudge sink <kind>"
+NO_OTLP = "No OpenTelemetry input (no topic with an OTLP format)"
 
 
 # --- building blocks ----------------------------------------------------------------------------------
@@ -101,13 +117,18 @@ def target(expr: str, legend: str, *, exemplar: bool = False, fmt: str = "time_s
 
 def timeseries(title: str, description: str, targets: Sequence[Json], *, unit: str = "short",
                ratio: bool = False, stack: bool = False, width: int = 12,
-               overrides: Sequence[Json] = ()) -> Json:
+               overrides: Sequence[Json] = (), empty: str | None = None) -> Json:
+    """A time series panel. `empty` is why it can have no data (Grafana's "No value" text, shown
+    instead of a bare "No data"): for a panel whose answer, when nothing happened, is 0, the query
+    itself says 0 (`or_zero`), and `empty` only names when there is nothing to say 0 about."""
     defaults: Json = {"unit": "percentunit" if ratio else unit,
                       "custom": {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 20 if stack else 0,
                                  "showPoints": "never", "spanNulls": False,
                                  "stacking": {"mode": "normal" if stack else "none", "group": "A"}}}
     if ratio:
         defaults.update(min=0, max=1)
+    if empty:
+        defaults["noValue"] = empty
     return {"type": "timeseries", "title": title, "description": description, "datasource": DATASOURCE,
             "targets": list(targets), "fieldConfig": {"defaults": defaults, "overrides": list(overrides)},
             "options": {"legend": {"displayMode": "table", "placement": "bottom", "showLegend": True,
@@ -116,10 +137,10 @@ def timeseries(title: str, description: str, targets: Sequence[Json], *, unit: s
             "_width": width}
 
 
-def heatmap(title: str, description: str, expr: str, *, width: int = 12) -> Json:
+def heatmap(title: str, description: str, expr: str, *, width: int = 12, empty: str | None = None) -> Json:
     return {"type": "heatmap", "title": title, "description": description, "datasource": DATASOURCE,
             "targets": [target(expr, "{{le}}", fmt="heatmap")],
-            "fieldConfig": {"defaults": {}, "overrides": []},
+            "fieldConfig": {"defaults": {"noValue": empty} if empty else {}, "overrides": []},
             "options": {"calculate": False, "cellGap": 1, "color": {"mode": "scheme", "scheme": "Oranges"},
                         "yAxis": {"axisPlacement": "left", "unit": "short"},
                         "tooltip": {"mode": "single", "yHistogram": True},
@@ -195,12 +216,38 @@ def quantile(q: float, histogram: str, by: str, sel: str = "") -> str:
     return f"histogram_quantile({q}, {sum_rate(histogram + '_bucket', by + ', le', sel)})"
 
 
+def or_zero(expr: str, by: str, activity: str) -> str:
+    """`expr`, or 0 for each group (of the `by` labels) where `activity` has a series.
+
+    A counter child that was never incremented has no series: no error, dead letter or skip yet means
+    no numerator at all, and `expr` alone would be empty ("No data") where the answer is 0. `activity`
+    is a series of the same groups that exists whenever there was something to count (the ratio's
+    denominator, the judge's eligible traces, the process's own counters), so the 0 keeps the panel's
+    labels and appears only where it is true; never `or vector(0)`, a label-less series that would
+    say 0 for a judge, topic or sink that does not exist.
+    """
+    return f"({expr} or on ({by}) 0 * {activity})"
+
+
+def ratio_or_zero(numerator: str, denominator: str, by: str) -> str:
+    """`numerator / denominator`, 0 (not empty) where the denominator exists and the numerator not."""
+    return f"{or_zero(numerator, by, denominator)} / {denominator}"
+
+
+def total_or_zero(metric: str, by: str, sel: str, activity: str) -> str:
+    """Per-second rate of a counter summed over its `reason`s, 0 while `activity` exists and no reason
+    has a series yet: the "all reasons" line of a by-reason panel, which says 0 instead of nothing."""
+    return or_zero(sum_rate(metric, by, sel), by, activity)
+
+
 # --- the dashboards -----------------------------------------------------------------------------------
 
 def quality() -> Json:
     sel = 'app=~"$app", judge=~"$judge"'
     judge_only = 'judge=~"$judge"'
     pair = "{{app}} · {{judge}}"
+    eligible = sum_rate("tracejudge_judge_eligible_total", "app, judge", sel)
+    judge_eligible = sum_rate("tracejudge_judge_eligible_total", "judge", judge_only)
     return dashboard(
         "tracejudge-quality", "tracejudge / Quality",
         "LLM-as-judge verdicts and computed metrics per app: pass rates, scores, coverage, judge health; "
@@ -214,22 +261,24 @@ def quality() -> Json:
             row("Pass rate"),
             timeseries("Pass rate per judge and app (5m)",
                        "Share of judge verdicts that passed (app_judge:tracejudge_judge_pass:ratio5m).",
-                       [target(f"app_judge:tracejudge_judge_pass:ratio5m{{{sel}}}", pair)], ratio=True),
+                       [target(f"app_judge:tracejudge_judge_pass:ratio5m{{{sel}}}", pair)], ratio=True,
+                       empty=NO_VERDICTS),
             timeseries("Pass rate per judge and app (1h) vs yesterday",
                        "The window GroundednessDropped watches (floor 80%, vs the same hour yesterday).",
                        [target(f"app_judge:tracejudge_judge_pass:ratio1h{{{sel}}}", pair),
                         target(f"app_judge:tracejudge_judge_pass:ratio1h{{{sel}}} offset 1d",
                                pair + " yesterday")],
-                       ratio=True),
+                       ratio=True, empty=NO_VERDICTS),
             timeseries("Verdicts per second",
                        "Judge verdicts by outcome: a pass rate over few verdicts is noise.",
                        [target(sum_rate("tracejudge_judge_verdicts_total", "app, judge, verdict", sel),
                                pair + " · {{verdict}}")],
-                       unit="reqps", stack=True, width=24),
+                       unit="reqps", stack=True, width=24, empty=NO_VERDICTS),
             row("Scores"),
             heatmap("Judge score distribution",
                     "Judge scores in [0, 1] over time (the buckets of tracejudge_judge_score).",
-                    f"sum by (le) (increase(tracejudge_judge_score_bucket{{{sel}}}[{RATE}]))"),
+                    f"sum by (le) (increase(tracejudge_judge_score_bucket{{{sel}}}[{RATE}]))",
+                    empty=NO_VERDICTS),
             timeseries("Judge score p10 / p50 (exemplars link to the trace)",
                        "Low tail and median score per judge. Each dot is one judged trace at its score "
                        "(dots near 0 failed): hover it and open the trace, with the verdict and its "
@@ -238,32 +287,42 @@ def quality() -> Json:
                                exemplar=True),
                         target(quantile(0.5, "tracejudge_judge_score", "judge", sel), "p50 {{judge}}",
                                exemplar=True)],
-                       unit="none"),
+                       unit="none", empty=NO_VERDICTS),
             timeseries("Computed metrics (mean)",
                        "Mean of each computed metric in [0, 1]: document recall, trajectory precision, ...",
                        [target(histogram_mean("tracejudge_metric_value", "app, metric", 'app=~"$app"'),
                                "{{app}} · {{metric}}")],
-                       ratio=True, width=24),
+                       ratio=True, width=24,
+                       empty="No computed metric in range (the traces carry no retrieval or trajectory)"),
             row("Coverage and judge health"),
             timeseries("Judge coverage (sampled / eligible)",
                        "Share of eligible traces that were sampled for each judge.",
-                       [target(f'{sum_rate("tracejudge_judge_sampled_total", "app, judge", sel)}'
-                               f' / {sum_rate("tracejudge_judge_eligible_total", "app, judge", sel)}', pair)],
-                       ratio=True),
+                       [target(ratio_or_zero(sum_rate("tracejudge_judge_sampled_total", "app, judge", sel),
+                                             eligible, "app, judge"), pair)],
+                       ratio=True, empty=NO_ELIGIBLE),
             timeseries("Judge skips by reason",
-                       "Sampled traces a judge did not evaluate (missing inputs, budget, queue full, ...).",
+                       "Sampled traces a judge did not evaluate (missing inputs, budget, queue full, "
+                       "...); all reasons: their sum, 0 while the judge had eligible traces, none skipped.",
                        [target(sum_rate("tracejudge_judge_skipped_total", "app, judge, reason", sel),
-                               pair + " · {{reason}}")],
-                       unit="reqps"),
+                               pair + " · {{reason}}"),
+                        target(total_or_zero("tracejudge_judge_skipped_total", "app, judge", sel, eligible),
+                               pair + " · all reasons")],
+                       unit="reqps", empty=NO_ELIGIBLE),
             timeseries("Judge errors by reason",
-                       "Judge calls that ended without a verdict (timeouts, HTTP errors, unparsable replies)",
+                       "Judge calls that ended without a verdict (timeouts, HTTP errors, unparsable "
+                       "replies); all reasons: their sum, 0 while the judge had eligible traces, no error.",
                        [target(sum_rate("tracejudge_judge_errors_total", "judge, reason", judge_only),
-                               "{{judge}} · {{reason}}")],
-                       unit="reqps"),
+                               "{{judge}} · {{reason}}"),
+                        target(total_or_zero("tracejudge_judge_errors_total", "judge", judge_only,
+                                             judge_eligible), "{{judge}} · all reasons")],
+                       unit="reqps", empty=NO_ELIGIBLE),
             timeseries("Judge error ratio (15m)",
-                       "JudgeErrorsHigh fires above 10% with at least 20 calls in 15 minutes.",
-                       [target(f"judge:tracejudge_judge_errors:ratio15m{{{judge_only}}}", "{{judge}}")],
-                       ratio=True),
+                       "JudgeErrorsHigh fires above 10% with at least 20 calls in 15 minutes. 0% while "
+                       "a judge that was called had no error (the recording rule has no series then).",
+                       [target(or_zero(f"judge:tracejudge_judge_errors:ratio15m{{{judge_only}}}", "judge",
+                                       f"(judge:tracejudge_judge_calls:increase15m{{{judge_only}}} > 0)"),
+                               "{{judge}}")],
+                       ratio=True, empty="No judge call in the last 15 minutes"),
             *judge_trust(),
             *cost(),
             *conversations(),
@@ -285,39 +344,39 @@ def judge_trust() -> list[Json]:
                    [target(f"app_judge:tracejudge_judge_pass:ratio1h{{{sel}}}", pair + " observed"),
                     target(f"app_judge:tracejudge_judge_pass_corrected:ratio1h{{{sel}}}",
                            pair + " corrected")],
-                   ratio=True),
+                   ratio=True, empty=NO_VERDICTS),
         timeseries("Calibration stale (1 = re-run tracejudge calibrate)",
                    "1 when the judge's configuration (its fingerprint) changed since it was calibrated: "
                    "its corrected pass rate is withheld.",
                    [target(f"max by (judge) (tracejudge_judge_calibration_stale{{{judge_only}}})",
                            "{{judge}} stale")],
-                   unit="none"),
+                   unit="none", empty=NO_CALIBRATION),
         timeseries("Calibration: TPR, TNR, kappa (labels on the right)",
                    "What tracejudge calibrate measured against human labels (judges.calibration_file).",
                    [target(f'max by (judge, stat) ({calibration}{{{judge_only}, stat=~"tpr|tnr|kappa"}})',
                            "{{judge}} · {{stat}}"),
                     target(f'max by (judge) ({calibration}{{{judge_only}, stat=~"n"}})',
                            "{{judge}} · labels")],
-                   ratio=True, overrides=[right_axis("B", "short")]),
+                   ratio=True, overrides=[right_axis("B", "short")], empty=NO_CALIBRATION),
         timeseries("Agreement with human labels (1d)",
                    "Share of human labels agreeing with the judge's verdict on the same trace; "
                    "JudgeDisagreesWithHumans fires under 70% on at least 30 labels.",
                    [target(f"app_judge:tracejudge_judge_agreement:ratio1d{{{sel}}}", pair),
                     target(f"app_judge:tracejudge_judge_agreement:increase1d{{{sel}}}", pair + " labels")],
-                   ratio=True, overrides=[right_axis("B", "short")]),
+                   ratio=True, overrides=[right_axis("B", "short")], empty=NO_HUMAN_LABELS),
         timeseries("Human labels by outcome",
                    "Labels taken in: matched with a verdict, unmatched (no verdict in the window), for an "
                    "unknown judge, invalid.",
                    [target(sum_rate("tracejudge_judge_labels_total", "outcome"), "{{outcome}}"),
                     target(sum_rate("tracejudge_judge_agreement_total", "judge, outcome", sel),
                            "{{judge}} · {{outcome}}")],
-                   unit="reqps"),
+                   unit="reqps", empty=NO_HUMAN_LABELS),
         timeseries("Canaries: disagreement with known answers (1h)",
                    "JudgeCanaryFailing fires above 20% on at least 10 canaries: the judge itself changed.",
                    [target(f"judge:tracejudge_judge_canary_disagree:ratio1h{{{judge_only}}}", "{{judge}}"),
                     target(sum_rate("tracejudge_judge_canary_total", "judge, outcome", judge_only),
                            "{{judge}} · {{outcome}}")],
-                   ratio=True, overrides=[right_axis("B", "reqps")]),
+                   ratio=True, overrides=[right_axis("B", "reqps")], empty=NO_CANARIES),
     ]
 
 
@@ -332,17 +391,18 @@ def cost() -> list[Json]:
                    "(MLflow) or its per-model tokens x the model's price. Traces of unknown cost are not "
                    "in it (tracejudge_cost_unknown_total counts them by reason).",
                    [target(f"{sum_rate('tracejudge_cost_usd_total', 'app', app)} * 3600", "{{app}}")],
-                   unit="currencyUSD"),
+                   unit="currencyUSD", empty=NO_TRACE_COST),
         timeseries("Agent cost per 1,000 traces",
                    "Mean cost of a trace of known cost, times 1,000, per app.",
                    [target(f"1000 * {histogram_mean('tracejudge_trace_cost_usd', 'app', app)}", "{{app}}")],
-                   unit="currencyUSD"),
+                   unit="currencyUSD", empty=NO_TRACE_COST),
         timeseries("Judge cost per hour by judge",
                    "What judging costs, in USD per hour: each judgement's reported usage x the judge "
                    "model's price (or the endpoint's configured price).",
                    [target(f"{sum_rate('tracejudge_judge_cost_usd_total', 'judge', judge_only)} * 3600",
                            "{{judge}}")],
-                   unit="currencyUSD"),
+                   unit="currencyUSD", empty="No priced judgement in range (no judge called, or no price "
+                                             "for its model: endpoints.<name>.price)"),
         timeseries("Judge spend cap: remaining vs cap",
                    "USD each judge endpoint's hard cap (usd_per_hour / usd_per_day, per process) still "
                    "allows; judgements over it are skipped (budget). JudgeSpendNearCap fires at 80% spent.",
@@ -350,7 +410,7 @@ def cost() -> list[Json]:
                            "{{endpoint}} · {{window}} remaining"),
                     target("max by (endpoint, window) (tracejudge_judge_budget_cap_usd)",
                            "{{endpoint}} · {{window}} cap")],
-                   unit="currencyUSD"),
+                   unit="currencyUSD", empty=NO_SPEND_CAP),
     ]
 
 
@@ -359,10 +419,11 @@ def conversations() -> list[Json]:
     app, sel, judge_only = 'app=~"$app"', 'app=~"$app", judge=~"$session_judge"', 'judge=~"$session_judge"'
     verdicts = "tracejudge_session_judge_verdicts_total"
     pair = "{{app}} · {{judge}}"
-    # `or ... * 0` reads 0% for a judge none of whose verdicts passed.
-    all_verdicts = sum_rate(verdicts, "app, judge", sel)
-    passed = (f'({sum_rate(verdicts, "app, judge", sel + ", " + PASSED_VERDICTS)} or {all_verdicts} * 0)'
-              f" / {all_verdicts}")
+    # 0% for a judge none of whose verdicts passed (it has no passing series at all).
+    passed = ratio_or_zero(sum_rate(verdicts, "app, judge", sel + ", " + PASSED_VERDICTS),
+                           sum_rate(verdicts, "app, judge", sel), "app, judge")
+    session_eligible = sum_rate("tracejudge_session_judge_eligible_total", "judge", judge_only)
+    sampled = sum_rate("tracejudge_session_judge_sampled_total", "judge", judge_only)
     unresolved = f"app:tracejudge_user_frustration_unresolved:ratio1h{{{app}}}"
     return [
         row("Conversations (tracejudge sessions)"),
@@ -371,16 +432,17 @@ def conversations() -> list[Json]:
                    "(max_turns, max_duration_s, or closed early at a memory cap).",
                    [target("60 * " + sum_rate("tracejudge_sessions_total", "app, status", app),
                            "{{app}} · {{status}}")],
-                   stack=True),
+                   stack=True, empty=NO_SESSIONS),
         timeseries("Turns per session p50 / p90",
                    "Turns of the sessions closed in the window (tracejudge_session_turns).",
                    [target(quantile(q, "tracejudge_session_turns", "app", app),
-                           f"p{round(q * 100)} {{{{app}}}}") for q in (0.5, 0.9)]),
+                           f"p{round(q * 100)} {{{{app}}}}") for q in (0.5, 0.9)],
+                   empty=NO_SESSIONS),
         timeseries("Session duration p50 / p90",
                    "First turn to last turn of the sessions closed in the window.",
                    [target(quantile(q, "tracejudge_session_duration_seconds", "app", app),
                            f"p{round(q * 100)} {{{{app}}}}") for q in (0.5, 0.9)],
-                   unit="s"),
+                   unit="s", empty=NO_SESSIONS),
         timeseries("Sessions ending unresolved (user_frustration, 1h) vs yesterday",
                    "Share of the judged sessions the user_frustration judge found ending with the user "
                    "frustrated and unresolved, with the number judged (right axis). UserFrustrationRising: "
@@ -389,34 +451,38 @@ def conversations() -> list[Json]:
                     target(unresolved + " offset 1d", "{{app}} unresolved yesterday"),
                     target(f"app:tracejudge_user_frustration_verdicts:increase1h{{{app}}}",
                            "{{app}} sessions judged")],
-                   unit="percentunit", overrides=[right_axis("C", "short")]),
+                   unit="percentunit", overrides=[right_axis("C", "short")],
+                   empty="No session judged by user_frustration in the last hour (sessions.judges)"),
         timeseries("Session judge pass rate",
                    "Share of session verdicts that passed (user_frustration: not unresolved).",
-                   [target(passed, pair)], ratio=True),
+                   [target(passed, pair)], ratio=True, empty=NO_SESSION_JUDGES),
         timeseries("Session verdicts per minute",
                    "Session judge verdicts by value: a pass rate over few sessions is noise.",
                    [target("60 * " + sum_rate(verdicts, "app, judge, verdict", sel),
                            pair + " · {{verdict}}")],
-                   stack=True),
+                   stack=True, empty=NO_SESSION_JUDGES),
         timeseries("Session judge score p10 / p50 (exemplars link to the session)",
                    "Each dot is one judged session at its score: hover it and open the conversation, its "
                    "turns and the verdicts written back (the session_url variable sets where).",
                    [target(quantile(q, "tracejudge_session_judge_score", "judge", sel), f"p{round(q * 100)} "
                            "{{judge}}", exemplar=True) for q in (0.1, 0.5)],
-                   unit="none"),
+                   unit="none", empty=NO_SESSION_JUDGES),
         timeseries("Session judge coverage (sampled / eligible)",
                    "Share of the closed sessions each session judge could judge that were sampled.",
-                   [target(f'{sum_rate("tracejudge_session_judge_sampled_total", "judge", judge_only)}'
-                           f' / {sum_rate("tracejudge_session_judge_eligible_total", "judge", judge_only)}',
-                           "{{judge}}")],
-                   ratio=True),
+                   [target(ratio_or_zero(sampled, session_eligible, "judge"), "{{judge}}")],
+                   ratio=True, empty=NO_SESSION_JUDGES),
         timeseries("Session judge skips and errors by reason",
-                   "Sampled sessions not judged (budget, overloaded, ...) and judgements without a verdict.",
+                   "Sampled sessions not judged (budget, overloaded, ...) and judgements without a verdict; "
+                   "all reasons: their sums, 0 while the judge had eligible sessions and none.",
                    [target(sum_rate("tracejudge_session_judge_skipped_total", "judge, reason", judge_only),
                            "skipped {{judge}} · {{reason}}"),
                     target(sum_rate("tracejudge_session_judge_errors_total", "judge, reason", judge_only),
-                           "error {{judge}} · {{reason}}")],
-                   unit="reqps"),
+                           "error {{judge}} · {{reason}}"),
+                    target(total_or_zero("tracejudge_session_judge_skipped_total", "judge", judge_only,
+                                         session_eligible), "skipped {{judge}} · all reasons"),
+                    target(total_or_zero("tracejudge_session_judge_errors_total", "judge", judge_only,
+                                         session_eligible), "error {{judge}} · all reasons")],
+                   unit="reqps", empty=NO_SESSION_JUDGES),
         timeseries("Sessions closed early and reopened per minute",
                    "Closed early: at max_turns, max_duration or evicted at a memory cap (then incomplete). "
                    "Reopened: a late turn for a remembered closed session, evaluated again. Forgotten: no "
@@ -425,18 +491,20 @@ def conversations() -> list[Json]:
                            "closed early · {{reason}}"),
                     target("60 * " + sum_rate("tracejudge_sessions_reopened_total", ""), "reopened"),
                     target("60 * " + sum_rate("tracejudge_sessions_forgotten_total", "reason"),
-                           "forgotten · {{reason}}")]),
+                           "forgotten · {{reason}}")],
+                   empty=NO_SESSIONS),
         timeseries("Open sessions and turns held",
                    "Sessions waiting for more turns and the turns they hold, over all session-stage "
                    "replicas (caps: sessions.max_open_sessions, sessions.max_turns_held), and the closed "
                    "sessions remembered so a late turn reopens them (sessions.max_closed_sessions).",
                    [target("sum(tracejudge_sessions_open)", "open sessions"),
                     target("sum(tracejudge_session_turns_held)", "turns held"),
-                    target("sum(tracejudge_sessions_remembered)", "closed sessions remembered")]),
+                    target("sum(tracejudge_sessions_remembered)", "closed sessions remembered")],
+                   empty=NO_SESSIONS),
         timeseries("Bytes held by open sessions",
                    "Memory of the held turns, over all replicas (cap per replica: sessions.max_bytes_held).",
                    [target("sum(tracejudge_session_bytes_held)", "bytes held")],
-                   unit="bytes"),
+                   unit="bytes", empty=NO_SESSIONS),
     ]
 
 
@@ -444,6 +512,10 @@ def operations() -> Json:
     app, topic, judge, sink = 'app=~"$app"', 'topic=~"$topic"', 'judge=~"$judge"', 'sink=~"$sink"'
     traces = "tracejudge_traces_total"
     failed = sum_rate(traces, "app", app + ', status="error"')
+    no_traces = "No trace evaluated in range (is tracejudge run scraped?)"
+    no_records = "No record read in range (is tracejudge run scraped?)"
+    no_judge_calls = "No judge call in range (no judge configured, or no trace sampled)"
+    batches = sum_rate("tracejudge_sink_batches_total", "sink", sink)
     return dashboard(
         "tracejudge-operations", "tracejudge / Operations",
         "Traffic, latency, tokens and failures of the evaluated agents; judge cost; Kafka consumption; "
@@ -457,102 +529,117 @@ def operations() -> Json:
             row("Agent traffic"),
             timeseries("Traces per second", "Evaluated traces by app and status.",
                        [target(sum_rate(traces, "app, status", app), "{{app}} · {{status}}")],
-                       unit="reqps", stack=True),
+                       unit="reqps", stack=True, empty=no_traces),
             timeseries("Trace failure rate",
-                       "Share of traces whose status is error; `or ... * 0` reads 0% while none failed.",
-                       [target(f"({failed} or {sum_rate(traces, 'app', app)} * 0)"
-                               f" / {sum_rate(traces, 'app', app)}", "{{app}}")],
-                       ratio=True),
+                       "Share of traces whose status is error: 0% while none failed.",
+                       [target(ratio_or_zero(failed, sum_rate(traces, "app", app), "app"), "{{app}}")],
+                       ratio=True, empty=no_traces),
             timeseries("Trace latency p50 / p95 / p99 (exemplars link to the trace)",
                        "End-to-end latency of the agent's traces; exemplar dots carry the trace_id.",
                        [target(quantile(q, "tracejudge_trace_latency_seconds", "app", app),
                                f"p{round(q * 100)} {{{{app}}}}", exemplar=True) for q in (0.5, 0.95, 0.99)],
-                       unit="s"),
+                       unit="s", empty="No trace with a latency in range"),
             timeseries("Tokens per second", "Tokens the agents used, by direction.",
                        [target(sum_rate("tracejudge_tokens_total", "app, direction", app),
                                "{{app}} · {{direction}}")],
-                       unit="short", stack=True),
+                       unit="short", stack=True, empty="No trace with token counts in range"),
             timeseries("Retrieved documents per trace (mean)",
                        "Documents retrieved per trace (the tracejudge_retrieved_documents histogram).",
                        [target(histogram_mean("tracejudge_retrieved_documents", "app", app), "{{app}}")],
-                       unit="short", width=24),
+                       unit="short", width=24, empty="No trace with retrieval in range"),
             row("Judges"),
             timeseries("Judge latency p50 / p95", "Duration of one judge call.",
                        [target(quantile(q, "tracejudge_judge_duration_seconds", "judge", judge),
                                f"p{round(q * 100)} {{{{judge}}}}") for q in (0.5, 0.95)],
-                       unit="s"),
+                       unit="s", empty=no_judge_calls),
             timeseries("Judge tokens per second",
                        "Tokens the judges spent, by direction: the cost of evaluation.",
                        [target(sum_rate("tracejudge_judge_tokens_total", "judge, direction", judge),
                                "{{judge}} · {{direction}}")],
-                       unit="short", stack=True),
+                       unit="short", stack=True, empty=no_judge_calls),
             row("Kafka"),
             timeseries("Records per second by outcome",
                        "Records read per topic: evaluated (ok) or dead-lettered.",
                        [target(sum_rate("tracejudge_records_total", "topic, outcome", topic),
                                "{{topic}} · {{outcome}}")],
-                       unit="reqps", stack=True),
+                       unit="reqps", stack=True, empty=no_records),
             timeseries("Consumer lag (records)",
                        "Records between the consumer's position and the partition's end (alert: > 10000).",
                        [target(f"sum by (topic, partition) (tracejudge_consumer_lag_records{{{topic}}})",
                                "{{topic}} [{{partition}}]")],
-                       unit="short"),
-            timeseries("Dead letters by reason", "Records written to the dead-letter topic, by reason.",
-                       [target(sum_rate("tracejudge_dead_letters_total", "reason"), "{{reason}}")],
-                       unit="reqps"),
+                       unit="short", empty="No partition assigned (is tracejudge run scraped?)"),
+            timeseries("Dead letters by reason",
+                       "Records written to the dead-letter topic, by reason, and over all reasons: 0 while "
+                       "records are read and none is dead-lettered.",
+                       [target(sum_rate("tracejudge_dead_letters_total", "reason"), "{{reason}}"),
+                        target(total_or_zero("tracejudge_dead_letters_total", "", "",
+                                             sum_rate("tracejudge_records_total", "")), "all reasons")],
+                       unit="reqps", empty=no_records),
             timeseries("Dead-letter ratio (15m)",
-                       "DeadLettersRising fires above 1% with at least 20 records in 15 minutes.",
-                       [target(f"topic:tracejudge_records_dead_lettered:ratio15m{{{topic}}}", "{{topic}}")],
-                       ratio=True),
+                       "DeadLettersRising fires above 1% with at least 20 records in 15 minutes. 0% while "
+                       "records are read and none is dead-lettered (the recording rule has no series then).",
+                       [target(or_zero(f"topic:tracejudge_records_dead_lettered:ratio15m{{{topic}}}",
+                                       "topic", f"(topic:tracejudge_records:increase15m{{{topic}}} > 0)"),
+                               "{{topic}}")],
+                       ratio=True, empty="No record read in the last 15 minutes"),
             timeseries("Offset commits per second",
                        "Offsets are committed only after a record's results are exported: flat means stuck.",
                        [target(sum_rate("tracejudge_commits_total", ""), "commits")],
-                       unit="reqps", width=24),
+                       unit="reqps", width=24, empty="No tracejudge run scraped in range"),
             row("OpenTelemetry trace assembly"),
             timeseries("Traces being assembled",
                        "Open traces and held spans, waiting for a trace's root span or its idle timeout.",
                        [target("sum(tracejudge_assembly_open_traces)", "open traces"),
                         target("sum(tracejudge_assembly_spans_held)", "spans held")],
-                       unit="short"),
+                       unit="short", empty=NO_OTLP),
             timeseries("Assembled traces emitted by reason",
                        "Why a trace was taken as complete (root seen, idle timeout, evicted at a limit).",
                        [target(sum_rate("tracejudge_assembly_traces_emitted_total", "reason"), "{{reason}}")],
-                       unit="reqps"),
+                       unit="reqps", empty=NO_OTLP),
             row("Write-back (tracejudge sink)"),
             timeseries("Sink lag (results not yet written back)",
                        "Records between each sink's position on the results topic and its end, summed "
                        "over partitions and replicas (WriteBackLagging: > 10000 for 15 minutes).",
                        [target(f"sum by (sink) (tracejudge_sink_lag_records{{{sink}}})", "{{sink}}")],
-                       unit="short"),
+                       unit="short", empty=NO_SINK),
             timeseries("Verdicts written back per second by outcome",
                        "written: a new assessment/event; already_written: found on the trace already "
                        "(a redelivery after a restart or rebalance), so not written twice.",
                        [target(sum_rate("tracejudge_sink_writes_total", "sink, outcome", sink),
                                "{{sink}} · {{outcome}}")],
-                       unit="reqps", stack=True),
+                       unit="reqps", stack=True, empty=NO_SINK),
             timeseries("Verdicts skipped by reason",
                        "Deliberately not written. unknown_trace: the trace never reached the trace "
-                       "backend within the retry window (traces not logged there).",
+                       "backend within the retry window (traces not logged there). All reasons: 0 while the "
+                       "sink runs and skipped none.",
                        [target(sum_rate("tracejudge_sink_skipped_total", "sink, reason", sink),
-                               "{{sink}} · {{reason}}")],
-                       unit="reqps"),
+                               "{{sink}} · {{reason}}"),
+                        target(total_or_zero("tracejudge_sink_skipped_total", "sink", sink, batches),
+                               "{{sink}} · all reasons")],
+                       unit="reqps", empty=NO_SINK),
             timeseries("Write retries by reason",
                        "Batches offered again after network errors, 429, 5xx or a trace not there yet: "
-                       "lag grows meanwhile, nothing is lost.",
+                       "lag grows meanwhile, nothing is lost. All reasons: 0 while the sink runs and "
+                       "retried none.",
                        [target(sum_rate("tracejudge_sink_retries_total", "sink, reason", sink),
-                               "{{sink}} · {{reason}}")],
-                       unit="reqps"),
+                               "{{sink}} · {{reason}}"),
+                        target(total_or_zero("tracejudge_sink_retries_total", "sink", sink, batches),
+                               "{{sink}} · all reasons")],
+                       unit="reqps", empty=NO_SINK),
             timeseries("Sink dead letters by reason",
                        "Results-topic records that are not tracejudge results (or of an unknown schema "
-                       "version), sent to sink.dead_letter_topic.",
+                       "version), sent to sink.dead_letter_topic. All reasons: 0 while the sink runs and "
+                       "dead-lettered none.",
                        [target(sum_rate("tracejudge_sink_dead_letters_total", "sink, reason", sink),
-                               "{{sink}} · {{reason}}")],
-                       unit="reqps"),
+                               "{{sink}} · {{reason}}"),
+                        target(total_or_zero("tracejudge_sink_dead_letters_total", "sink", sink, batches),
+                               "{{sink}} · all reasons")],
+                       unit="reqps", empty=NO_SINK),
             timeseries("Batches written per second",
                        "One batch per partition per checkpoint, committed after it is written: flat "
                        "while the lag grows means the sink is stuck.",
-                       [target(sum_rate("tracejudge_sink_batches_total", "sink", sink), "{{sink}}")],
-                       unit="reqps"),
+                       [target(batches, "{{sink}}")],
+                       unit="reqps", empty=NO_SINK),
             row("Session stage (tracejudge sessions)"),
             timeseries("Turns in, session results out",
                        "Trace results taken into sessions, and session results the broker acknowledged "
@@ -561,25 +648,29 @@ def operations() -> Json:
                        [target(sum_rate("tracejudge_session_turns_received_total", ""), "turns"),
                         target(sum_rate("tracejudge_session_results_published_total", ""),
                                "session results published")],
-                       unit="reqps"),
+                       unit="reqps", empty=NO_SESSIONS),
             timeseries("Results not taken into a session, by reason",
                        "no_session: the trace has no session id (released at once: single-turn traffic); "
                        "session_result: a session result line; duplicate: a turn the session already holds "
                        "(a redelivery).",
                        [target(sum_rate("tracejudge_session_turns_ignored_total", "reason"), "{{reason}}")],
-                       unit="reqps"),
+                       unit="reqps", empty=NO_SESSIONS),
             timeseries("Session dead letters by reason",
                        "Results-topic records the session stage cannot read (not a result, a newer schema "
-                       "version), sent to sessions.dead_letter_topic.",
-                       [target(sum_rate("tracejudge_session_dead_letters_total", "reason"), "{{reason}}")],
-                       unit="reqps"),
+                       "version), sent to sessions.dead_letter_topic. All reasons: 0 while the stage "
+                       "runs and dead-lettered none.",
+                       [target(sum_rate("tracejudge_session_dead_letters_total", "reason"), "{{reason}}"),
+                        target(total_or_zero("tracejudge_session_dead_letters_total", "", "",
+                                             sum_rate("tracejudge_session_turns_received_total", "")),
+                               "all reasons")],
+                       unit="reqps", empty=NO_SESSIONS),
             timeseries("Turns placed by arrival, session ids hashed",
                        "Turns whose timestamp was missing or absurd (far future, before 2000), placed by "
                        "their arrival time instead; session ids over 256 bytes, hashed into the key.",
                        [target(sum_rate("tracejudge_session_turns_placed_by_arrival_total", "reason"),
                                "placed by arrival · {{reason}}"),
                         target(sum_rate("tracejudge_session_ids_hashed_total", ""), "session ids hashed")],
-                       unit="reqps"),
+                       unit="reqps", empty=NO_SESSIONS),
         ])
 
 

@@ -27,6 +27,9 @@ Example (see deploy/config/judges.example.yaml for a commented one):
         user_frustration: {}
         conversational_guidelines: {guidelines: ["Never promise a delivery date."]}
 
+The endpoints themselves (`endpoints:`, `EndpointConfig`, and reading their keys and headers from the
+environment) are `tracejudge.metrics.judges.endpoints`.
+
 Session judges (`sessions:`, and custom judges whose template uses `{conversation}`) judge a whole
 conversation (`tracejudge.metrics.judges.sessions`); they never run as trace judges, and trace judges
 never run on conversations.
@@ -34,16 +37,12 @@ never run on conversations.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     PrivateAttr,
     ValidationError,
@@ -51,7 +50,8 @@ from pydantic import (
     model_validator,
 )
 
-from tracejudge.metrics.judges.secrets import SECRET, redact_url, url_problem
+from tracejudge.metrics.judges.endpoints import EndpointConfig, StrictSection
+from tracejudge.schemas.errors import JudgeConfigError
 
 __all__ = [
     "BUILTIN_JUDGES",
@@ -67,7 +67,6 @@ __all__ = [
     "ChunkRelevanceSettings",
     "ConversationalGuidelinesSettings",
     "CustomJudgeConfig",
-    "EndpointConfig",
     "FactCheckSettings",
     "FiltersConfig",
     "GuidelinesSettings",
@@ -80,7 +79,6 @@ __all__ = [
     "ToolCallCorrectnessSettings",
     "find_placeholders",
     "load_judges_config",
-    "resolve_api_key",
 ]
 
 BUILTIN_JUDGES: tuple[str, ...] = (
@@ -126,136 +124,13 @@ SESSION_PLACEHOLDER = "conversation"
 DEFAULT_HEURISTIC_SAMPLE_RATE = 1.0
 DEFAULT_LLM_SAMPLE_RATE = 0.1
 OFFLINE_SAMPLE_RATE = 1.0
-# Keys a user may write to give the API key inline: refused with a pointer to where it belongs.
-_INLINE_KEYS = ("api_key", "apikey", "api-key", "key", "token", "api_token", "bearer_token")
-
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
 # `{name}` where name is an identifier; `{{`/`}}` escape a literal brace. Any other brace (a JSON
 # example in the prompt) is left alone, so users need not double every brace of an example.
 _PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
-class JudgeConfigError(ValueError):
-    """A configuration error, reported before anything runs. `key` is the dotted path to blame."""
-
-    def __init__(self, key: str, detail: str):
-        self.key = key
-        self.detail = detail
-        super().__init__(f"{key}: {detail}")
-
-
-class _Strict(BaseModel):
-    # Typos in a config file must fail loudly, not silently fall back to a default.
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class EndpointPrice(_Strict):
-    """A judge model's price in USD per million input and output tokens."""
-
-    input_per_mtok: float = Field(ge=0)
-    output_per_mtok: float = Field(ge=0)
-
-
-class EndpointConfig(_Strict):
-    """An OpenAI-compatible endpoint (OpenAI, Azure OpenAI, vLLM, Ollama, LiteLLM, Databricks serving).
-
-    `base_url` is the prefix before `/chat/completions` (e.g. `https://api.openai.com/v1`,
-    `http://localhost:11434/v1`, `https://<workspace>/serving-endpoints`, or an Azure deployment URL
-    `https://<res>.openai.azure.com/openai/deployments/<deployment>` with `query_params:
-    {api-version: ...}` and `api_key_header: api-key`).
-    """
-
-    base_url: str
-    model: str = Field(min_length=1)
-    embedding_model: str | None = None
-    # Where the key comes from; never the key itself, so a config file can be committed.
-    api_key_env: str | None = None
-    api_key_file: str | None = None
-    # "authorization" sends `Authorization: Bearer <key>`; any other name sends the bare key in that
-    # header (Azure OpenAI: `api-key`).
-    api_key_header: str = "authorization"
-    # Header values are secrets (SECRET): never printed or logged. Prefer `headers_from_env`.
-    headers: Annotated[dict[str, str], SECRET] = Field(default_factory=dict, repr=False)
-    # Header name -> environment variable holding its value (tokens other than the API key).
-    headers_from_env: dict[str, str] = Field(default_factory=dict)
-    # Values are secrets (SECRET: a signature or key, `?code=`, `?sig=`): never printed or logged.
-    query_params: Annotated[dict[str, str], SECRET] = Field(default_factory=dict, repr=False)
-    chat_path: str = "/chat/completions"
-    embeddings_path: str = "/embeddings"
-    verify_tls: bool | str = True
-    timeout_seconds: float = Field(default=30.0, gt=0)
-    connect_timeout_seconds: float = Field(default=5.0, gt=0)
-    max_concurrency: int = Field(default=16, ge=1, le=1024)
-    max_retries: int = Field(default=3, ge=0, le=10)
-    backoff_initial_seconds: float = Field(default=0.5, ge=0)
-    backoff_max_seconds: float = Field(default=20.0, ge=0)
-    # A Retry-After longer than this is not waited for: the judgement fails as rate_limited instead of
-    # holding an in-flight slot for minutes.
-    max_retry_after_seconds: float = Field(default=30.0, ge=0)
-    # Structured output: json_schema (OpenAI, vLLM, Ollama>=0.5, LiteLLM), json_object, or none.
-    # The client steps down this list by itself when the endpoint rejects a format.
-    response_format: Literal["json_schema", "json_object", "none"] = "json_schema"
-    # None: do not send (o-series models reject anything but their default).
-    temperature: float | None = 0.0
-    max_output_tokens: int = Field(default=512, ge=16)
-    max_tokens_param: Literal["max_tokens", "max_completion_tokens"] = "max_tokens"
-    # The judge's input budget in tokens (estimated at 4 characters per token); longer contexts are
-    # judged in chunks.
-    max_input_tokens: int = Field(default=8000, ge=256)
-    requests_per_second: float | None = Field(default=None, gt=0)
-    tokens_per_minute: int | None = Field(default=None, gt=0)
-    breaker_failure_threshold: int = Field(default=5, ge=1)
-    breaker_reset_seconds: float = Field(default=30.0, gt=0)
-    breaker_max_reset_seconds: float = Field(default=300.0, gt=0)
-    # What the endpoint's model costs, USD per million tokens (a self-hosted or unlisted model); None:
-    # the price table's price for `model` (tracejudge.metrics.cost).
-    price: EndpointPrice | None = None
-    # Hard spend caps in USD over the last hour / day (tracejudge.metrics.judges.budget.SpendCap). A cap
-    # needs a price: a configured one, or the table's for `model` (checked at start-up).
-    usd_per_hour: float | None = Field(default=None, gt=0)
-    usd_per_day: float | None = Field(default=None, gt=0)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_inline_key(cls, data: Any) -> Any:
-        # The key itself never goes in a file that may be committed or printed; say where it belongs
-        # (the value is not repeated in the message).
-        if isinstance(data, Mapping):
-            inline = next((k for k in _INLINE_KEYS if k in data), None)
-            if inline is not None:
-                raise ValueError(
-                    f"{inline}: the API key is not written in the configuration; set api_key_env "
-                    "to the name of the environment variable that holds it, or api_key_file to a "
-                    "file that holds it"
-                )
-        return data
-
-    @field_validator("base_url")
-    @classmethod
-    def _url(cls, v: str) -> str:
-        # Credentials or a query in the URL would be printed by --check-config and logged by HTTP
-        # libraries; they have settings of their own, read from the environment or a file.
-        if not re.match(r"^https?://[^/\s]+", v):
-            raise ValueError(f"must be an http(s) URL, got {redact_url(v)!r}")
-        problem = url_problem(v, query=False, query_goes_in="query_params",
-                              credentials_go_in="api_key_env or api_key_file (the key), or headers_from_env")
-        if problem:
-            raise ValueError(problem)
-        return v.rstrip("/")
-
-    @field_validator("chat_path", "embeddings_path")
-    @classmethod
-    def _path(cls, v: str) -> str:
-        return v if v.startswith("/") else "/" + v
-
-    @model_validator(mode="after")
-    def _one_key_source(self) -> EndpointConfig:
-        if self.api_key_env and self.api_key_file:
-            raise ValueError("set api_key_env or api_key_file, not both")
-        return self
-
-
-class FiltersConfig(_Strict):
+class FiltersConfig(StrictSection):
     """Which traces a judge may see. All given conditions must hold; omitted ones always hold.
 
     `status`: "ok" (stated not failed), "unknown" (failure not stated), "incomplete" (emitted by
@@ -268,7 +143,7 @@ class FiltersConfig(_Strict):
     tags: dict[str, str | list[str]] = Field(default_factory=dict)
 
 
-class JudgeSettings(_Strict):
+class JudgeSettings(StrictSection):
     enabled: bool = True
     sample_rate: float | None = Field(default=None, ge=0, le=1)
     # None: the section-wide filters.
@@ -319,7 +194,7 @@ class ToolCallCorrectnessSettings(JudgeSettings):
         return self
 
 
-class BuiltinJudges(_Strict):
+class BuiltinJudges(StrictSection):
     """One optional entry per built-in judge; an unknown name is a configuration error."""
 
     groundedness: JudgeSettings | None = None
@@ -343,7 +218,7 @@ class ConversationalGuidelinesSettings(JudgeSettings):
     guidelines: list[str] = Field(min_length=1)
 
 
-class SessionJudges(_Strict):
+class SessionJudges(StrictSection):
     """`judges.sessions`: one optional entry per built-in session judge; an unknown name is a
     configuration error. Filters of a session judge may name `apps` only (status and tags belong to
     single traces)."""
@@ -449,7 +324,7 @@ class CustomJudgeConfig(JudgeSettings):
         return SESSION_PLACEHOLDER in self.placeholders
 
 
-class CanaryConfig(_Strict):
+class CanaryConfig(StrictSection):
     """`judges.canary`: labelled records (the set shipped with tracejudge plus `file`) judged by the
     live judges at `rate_per_minute` per judge, to catch a judge drifting from known answers."""
 
@@ -463,7 +338,7 @@ class CanaryConfig(_Strict):
     shipped: bool = True
 
 
-class RedactionConfig(_Strict):
+class RedactionConfig(StrictSection):
     """`judges.redaction`: what is replaced by a placeholder before text goes to a judge or embeddings
     endpoint (tracejudge.metrics.judges.redaction). On by default: turning it off is a deliberate choice."""
 
@@ -478,7 +353,7 @@ class RedactionConfig(_Strict):
     callable: str | None = None
 
 
-class JudgesConfig(_Strict):
+class JudgesConfig(StrictSection):
     endpoints: dict[str, EndpointConfig] = Field(default_factory=dict)
     # Endpoint used by judges that name none. Default: "default" if defined, else the only endpoint.
     default_endpoint: str | None = None
@@ -733,48 +608,6 @@ def load_judges_config(
         raise JudgeConfigError(_dotted(loc, prefix), msg) from None
 
 
-def resolve_api_key(
-    name: str, endpoint: EndpointConfig, env: Mapping[str, str] | None = None, *, prefix: str = "judges"
-) -> str | None:
-    """Read an endpoint's key from its environment variable or file; None when it names neither."""
-    env = os.environ if env is None else env
-    key = f"{prefix}.endpoints.{name}"
-    if endpoint.api_key_env:
-        value = env.get(endpoint.api_key_env)
-        if not value:
-            raise JudgeConfigError(
-                f"{key}.api_key_env", f"environment variable {endpoint.api_key_env} is not set or empty"
-            )
-        return value.strip()
-    if endpoint.api_key_file:
-        path = Path(endpoint.api_key_file).expanduser()
-        try:
-            value = path.read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise JudgeConfigError(f"{key}.api_key_file", f"cannot read {path}: {exc.strerror}") from None
-        if not value:
-            raise JudgeConfigError(f"{key}.api_key_file", f"{path} is empty")
-        return value
-    return None
-
-
-def resolve_headers(
-    name: str, endpoint: EndpointConfig, env: Mapping[str, str] | None = None, *, prefix: str = "judges"
-) -> dict[str, str]:
-    """The headers whose values come from the environment (`headers_from_env`); treated as secrets."""
-    env = os.environ if env is None else env
-    headers: dict[str, str] = {}
-    for header, var in endpoint.headers_from_env.items():
-        value = env.get(var)
-        if not value:
-            raise JudgeConfigError(
-                f"{prefix}.endpoints.{name}.headers_from_env.{header}",
-                f"environment variable {var} is not set or empty",
-            )
-        headers[header] = value
-    return headers
-
-
 # -- shadow judges and canaries ---------------------------------------------------------------------
 # The keys of a shadow entry that are not the candidate's judge settings.
 _SHADOW_KEYS = ("shadows", "model")
@@ -886,7 +719,4 @@ def _check_redaction(cfg: RedactionConfig) -> None:
         if re.compile(pattern).match(""):
             raise ValueError(f"redaction.patterns.{name}: matches the empty string")
     if cfg.callable is not None:
-        try:
-            load_callable(cfg.callable)
-        except ValueError as exc:
-            raise ValueError(f"redaction.callable: {exc}") from None
+        load_callable(cfg.callable)  # a ConfigError naming redaction.callable

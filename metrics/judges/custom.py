@@ -23,8 +23,7 @@ from typing import Any
 
 import orjson
 
-from tracejudge.metrics.judges.budget import Cost, estimate_tokens
-from tracejudge.metrics.judges.builtin import (
+from tracejudge.metrics.judges.base import (
     OUTPUT_TOKENS_ESTIMATE,
     VERDICT_SCHEMA,
     VERDICT_SHAPE,
@@ -40,7 +39,9 @@ from tracejudge.metrics.judges.builtin import (
     parse_verdict,
     render,
 )
-from tracejudge.metrics.judges.config import CustomJudgeConfig, EndpointConfig
+from tracejudge.metrics.judges.budget import Cost, estimate_tokens
+from tracejudge.metrics.judges.config import CustomJudgeConfig
+from tracejudge.metrics.judges.endpoints import EndpointConfig
 from tracejudge.metrics.judges.prompt_safety import ENCODING_NOTE, Fragment, embed, join, template_tags
 from tracejudge.schemas.record import EvalRecord, ToolCall
 from tracejudge.schemas.result import Assessment
@@ -122,7 +123,7 @@ class CustomJudge(Judge):
             name=name,
             settings=config,
             endpoint=endpoint,
-            # `{conversation}` (a session judge, `session_judges.SessionCustomJudge`) is no record input.
+            # `{conversation}` (a session judge, `sessions.SessionCustomJudge`) is no record input.
             inputs=tuple(dict.fromkeys(_INPUT_OF[p] for p in placeholders if p in _INPUT_OF)),
             endpoint_name=endpoint_name,
         )

@@ -26,10 +26,9 @@ to the retrieved context).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
 from typing import Any
 
-from tracejudge.metrics.judges.builtin import Job, Judge, NotApplicable, clip_text, split_statements
+from tracejudge.metrics.judges.base import Job, Judge, NotApplicable, clip_text, split_statements
 from tracejudge.schemas.record import EvalRecord
 from tracejudge.schemas.result import Assessment
 
@@ -123,8 +122,8 @@ class HeuristicJudge(Judge):
 
 
 class HeuristicGroundedness(HeuristicJudge):
-    def __init__(self, **kw: Any):
-        super().__init__(name="groundedness", inputs=("response", "retrieved_context"), **kw)
+    name = "groundedness"
+    inputs = ("response", "retrieved_context")
 
     def judge_now(self, record: EvalRecord) -> Assessment:
         chunks = [terms(d.content) for d in record.retrieved_context or () if d.content and d.content.strip()]
@@ -157,8 +156,8 @@ def _supported(words: set[str], numbers: set[str], chunk_words: set[str], chunk_
 
 
 class HeuristicRelevance(HeuristicJudge):
-    def __init__(self, **kw: Any):
-        super().__init__(name="relevance_to_query", inputs=("request", "response"), **kw)
+    name = "relevance_to_query"
+    inputs = ("request", "response")
 
     def judge_now(self, record: EvalRecord) -> Assessment:
         req_words, req_numbers = terms(record.request or "")
@@ -184,27 +183,3 @@ def _originals(text: str, stems: set[str]) -> list[str]:
             out.setdefault(w)
     out.update((n, None) for n in sorted(stems) if n[:1].isdigit())
     return list(out)
-
-
-def _code_tool_call_judge(name: str) -> Callable[..., HeuristicJudge]:
-    # The model-free tool-call judges (tracejudge.metrics.judges.tool_calls, which imports this module).
-    def make(**kw: Any) -> HeuristicJudge:
-        from tracejudge.metrics.judges import tool_calls as tool_call_judges
-
-        cls = {"tool_call_correctness": tool_call_judges.CodeToolCallCorrectness,
-               "tool_call_efficiency": tool_call_judges.CodeToolCallEfficiency}[name]
-        return cls(**kw)
-
-    return make
-
-
-HEURISTIC_FACTORIES: dict[str, Callable[..., HeuristicJudge]] = {
-    "groundedness": HeuristicGroundedness,
-    "relevance_to_query": HeuristicRelevance,
-    "tool_call_correctness": _code_tool_call_judge("tool_call_correctness"),
-    "tool_call_efficiency": _code_tool_call_judge("tool_call_efficiency"),
-}
-
-
-def heuristic_judges(names: Sequence[str]) -> list[HeuristicJudge]:
-    return [HEURISTIC_FACTORIES[n]() for n in names]

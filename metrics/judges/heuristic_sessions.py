@@ -89,7 +89,7 @@ _NOT_WORD = re.compile(r"[\W_]+")
 
 
 class _Conversation(Protocol):
-    """What the judge reads (a `session_judges.Transcript`)."""
+    """What the judge reads (a `tracejudge.metrics.judges.sessions.Transcript`)."""
 
     @property
     def turns(self) -> Sequence[Turn]: ...
@@ -129,8 +129,7 @@ def frustration_signals(turns: Sequence[Turn]) -> list[list[str]]:
 
 
 class HeuristicUserFrustration(HeuristicJudge):
-    def __init__(self, **kw: Any):
-        super().__init__(name="user_frustration", inputs=(), **kw)
+    name = "user_frustration"
 
     def prompt_material(self) -> tuple[Any, ...]:
         return (SESSION_HEURISTIC_VERSION, REPEAT_OVERLAP, MIN_SHARED_WORDS, FRUSTRATION_PHRASES,

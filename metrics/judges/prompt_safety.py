@@ -33,7 +33,7 @@ no byte-for-byte comparison of runs) without adding anything once the data canno
 `fill` substitutes a template's placeholders with `Fragment`s only, values made by `embed`/`quote`
 (data) or `trusted` (the judge's own text): a raw string is refused with a TypeError, so a prompt
 builder cannot pass trace text around the encoding by mistake. `ENCODING_VERSION` is part of every
-model judge's version (`tracejudge.metrics.judges.builtin.Judge.fingerprint_material`): bump it when the
+model judge's version (`tracejudge.metrics.judges.base.Judge.fingerprint_material`): bump it when the
 encoding changes.
 """
 

@@ -26,18 +26,16 @@ IP address or API-key/JWT/PEM detectors, so most of this list would be hand-writ
 The checks that make detection precise (Luhn, IBAN mod-97, IP validation) are a few lines each and
 are covered by tests/test_redaction.py; bench/bench_redaction.py measures the CPU.
 
-The original text is never logged or stored by this module: a session keeps the value -> placeholder
-map in memory for the judgement's lifetime only, and the redactor's cache of per-line findings holds
-keyed hashes and offsets, no text (`_line_key`).
+The original text is never logged or stored by this module beyond the judgement: a session keeps the
+value -> placeholder map and the memo of its lines' findings in memory for the judgement's lifetime
+only, and the `Redactor` it was opened from holds no state of any record (nothing is shared across
+records or judgements).
 """
 
 from __future__ import annotations
 
 import contextvars
-import hashlib
-import importlib
 import ipaddress
-import os
 import re
 import sys
 import threading
@@ -47,6 +45,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry, Counter
+
+from tracejudge.metrics.plugins import load_plugin
 
 __all__ = [
     "BUILTIN_KINDS",
@@ -289,23 +289,10 @@ _KEY: dict[str, Callable[[str], str]] = {
     "ssn": _number_key,
     "secret": str,
 }
-# Lines whose findings `Redactor._remember` keeps (keys and offsets only).
-_LINE_CACHE_MAX = 8192
 # How far into a line a label ("Request: ") is looked for.
 _LABEL_MAX = 48
-# Python's str hash is SipHash-1-3 under a key drawn at random for each process, unless
-# PYTHONHASHSEED fixes it (then anyone can compute it, and craft a line that collides with another).
-_HASH_KEY_IS_SECRET = os.environ.get("PYTHONHASHSEED", "random") == "random"
-
-
-def _line_key(line: str) -> object:
-    """A line's key in the findings cache: no text. Its 64-bit keyed str hash and its length: a line
-    that collides with a remembered one of the same length (about 1 in 2**64 / 8192 per line, and
-    not to be crafted without the process's key) would get that line's findings. A fifth of the cost
-    of a BLAKE2 digest per line, which is what a process whose hash key is fixed uses instead."""
-    if _HASH_KEY_IS_SECRET:
-        return (hash(line), len(line))
-    return hashlib.blake2b(line.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+# A line's (start, end, kind, label) findings, in order; what a judgement's memo holds per line.
+_LineFindings = tuple[tuple[int, int, str, str], ...]
 
 # Order is priority: an earlier detector's span wins an overlap.
 _BUILTIN: dict[str, _Detector] = {
@@ -321,22 +308,11 @@ _BUILTIN: dict[str, _Detector] = {
 }
 
 
-def load_callable(spec: str) -> SpanFinder:
-    """Import `module:function`; raise ValueError (with why) when it cannot be had."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"expected 'module:function', got {spec!r}")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ValueError(f"cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
-    for part in attr.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            raise ValueError(f"{module_name!r} has no attribute {attr!r}")
-    if not callable(obj):
-        raise ValueError(f"{spec!r} is not callable")
-    return obj
+def load_callable(spec: str, key: str = "redaction.callable") -> SpanFinder:
+    """Import `module:function` (`tracejudge.metrics.plugins`); a `ConfigError` (a ValueError) naming
+    `key` and why when it cannot be had."""
+    finder: SpanFinder = load_plugin(spec, key=key, noun="function", accept=callable)
+    return finder
 
 
 class RedactionMetrics:
@@ -374,7 +350,8 @@ class RedactionError(Exception):
 class Redactor:
     """The configured detectors; `session()` opens one judgement's `Redaction`.
 
-    Thread-safe to share: it holds no per-judgement state."""
+    Thread-safe to share: it holds no per-judgement state (a judgement's memo of line findings is its
+    session's)."""
 
     def __init__(
         self,
@@ -397,7 +374,6 @@ class Redactor:
         self._pem = "secret" in wanted
         self._custom = custom
         self._finder = finder
-        self._lines: dict[object, tuple[tuple[int, int, str, str], ...]] = {}
         self.metrics = metrics
 
     @classmethod
@@ -413,29 +389,26 @@ class Redactor:
         """The runner's redactor from `judges.redaction`, counting into `registry` (None: uncounted)."""
         return cls.from_config(cfg, RedactionMetrics.for_registry(registry) if registry is not None else None)
 
-    def session(self) -> Redaction:
-        return Redaction(self)
+    def session(self, memo: dict[str, _LineFindings] | None = None) -> Redaction:
+        """One judgement's session; `memo` shares the line findings among one record's judgements."""
+        return Redaction(self) if memo is None else Redaction(self, _lines=memo)
 
-    def forget(self) -> None:
-        """Drop the remembered findings of lines seen so far (the cache of `_remember`)."""
-        self._lines.clear()
-
-    def _spans(self, text: str) -> list[tuple[int, int, str, str, str]]:
+    def _spans(self, text: str, memo: dict[str, _LineFindings]) -> list[tuple[int, int, str, str, str]]:
         """Non-overlapping (start, end, kind, label, key) spans, in text order.
 
         Priority on overlap: secrets, then the user's patterns and callable, then the other kinds.
         The built-in detectors other than PEM keys never match across a line break, so they run per
-        line, and a line's findings are remembered (`_remember`): the request, response and context
-        recur in every judge's prompt of a record, and prompt templates in every record."""
+        line, and a line's findings are remembered in `memo`, the judgement's (`_remember`): a line
+        recurs within one judgement's texts (a judge making several calls, a value sent alone and
+        again after a label). Nothing is remembered across judgements, so across records."""
         line_found: list[tuple[int, int, str, str, str]] = []
-        remembered = self._lines.get
+        remembered = memo.get
         pos = 0
         for line in text.split("\n"):
             if line:
-                key = _line_key(line)
-                hit = remembered(key)
+                hit = remembered(line)
                 if hit is None:
-                    hit = self._remember(key, line)
+                    hit = self._remember(memo, line)
                 for start, end, kind, label in hit:
                     start, end = start + pos, end + pos
                     line_found.append((start, end, kind, label, _KEY[kind](text[start:end])))
@@ -456,11 +429,8 @@ class Redactor:
         found.sort()
         return found
 
-    def _remember(self, key: object, line: str, label: bool = True) -> tuple[tuple[int, int, str, str], ...]:
-        """A line's (start, end, kind, label) findings, in order, remembered under its `_line_key`.
-
-        The cache holds keys and offsets only, so it keeps no text (no personal data) beyond the
-        judgement; it is bounded (`_LINE_CACHE_MAX`).
+    def _remember(self, memo: dict[str, _LineFindings], line: str, label: bool = True) -> _LineFindings:
+        """A line's (start, end, kind, label) findings, in order, remembered in the judgement's `memo`.
 
         A line that starts with a short label, "Request: ...", is read as the label and the rest, the
         rest remembered on its own: a custom judge's template puts a value after a label while the
@@ -470,18 +440,15 @@ class Redactor:
         cut = line.find(": ", 0, _LABEL_MAX) if label else -1  # one label: "a: b: c: ..." recurses no further
         if cut != -1 and cut + 2 < len(line) and not _aws_hint(line[: cut + 2]):
             rest = line[cut + 2 :]
-            rest_key = _line_key(rest)
-            in_rest = self._lines.get(rest_key)
+            in_rest = memo.get(rest)
             if in_rest is None:
-                in_rest = self._remember(rest_key, rest, label=False)
+                in_rest = self._remember(memo, rest, label=False)
             shift = cut + 2
             found = tuple(sorted((a, b, kind, label) for a, b, kind, label, _ in self._scan(line[:shift])))
             found += tuple((a + shift, b + shift, kind, label) for a, b, kind, label in in_rest)
         else:
             found = tuple(sorted((a, b, kind, label) for a, b, kind, label, _ in self._scan(line)))
-        if len(self._lines) >= _LINE_CACHE_MAX:
-            self._lines.clear()
-        self._lines[key] = found
+        memo[line] = found
         return found
 
     def _scan(self, text: str) -> list[tuple[int, int, str, str, str]]:
@@ -543,12 +510,16 @@ def _user_spans(finder: SpanFinder, text: str) -> list[tuple[int, int, str]]:
 
 @dataclass
 class Redaction:
-    """One judgement's redaction: the value -> placeholder map shared by all its texts."""
+    """One judgement's redaction: the value -> placeholder map shared by all its texts, and the memo of
+    the findings of the lines they held (line -> offsets and kinds), gone with the judgement, or shared
+    with the other judgements of the same record (`Plan.redaction_memo`) and gone with the record."""
 
     redactor: Redactor
     _placeholders: dict[tuple[str, str], str] = field(default_factory=dict)
     _next: dict[str, int] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
+    # Never in a repr: it holds the judgement's lines.
+    _lines: dict[str, _LineFindings] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def replaced(self) -> int:
@@ -564,7 +535,7 @@ class Redaction:
 
     def text(self, text: str) -> str:
         """`text` with every detected value replaced; the very same object when nothing matched."""
-        spans = self.redactor._spans(text)
+        spans = self.redactor._spans(text, self._lines)
         if not spans:
             return text
         parts: list[str] = []

@@ -1,4 +1,7 @@
-"""`JudgeRunner`: sampling, filters, budgets, the circuit breaker and metrics around the judges.
+"""`JudgeRunner`: runs the configured judges, orchestrating the parts around them: the planner
+(`planning`: sampling, filters, shadows), what judgements may spend (`spending`, over `budget`), the
+endpoint clients and their breakers (`client`, `breaker`), the judges themselves (`registry`) and the
+metrics (`series`). Session judges run on the same machinery (`sessions.SessionJudgeRunner`).
 
 For each record and each configured judge, in this order:
 
@@ -44,44 +47,35 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from tracejudge.metrics.cost import JudgeCostMetrics, Price, endpoint_price
-from tracejudge.metrics.judges.budget import Cost as BudgetCost
-from tracejudge.metrics.judges.budget import EndpointBudget, SpendCap
-from tracejudge.metrics.judges.builtin import (
-    BUILTIN_FACTORIES,
-    OUTPUT_TOKENS_ESTIMATE,
+from tracejudge.metrics.app_labels import default_app_label
+from tracejudge.metrics.judges.base import (
     Judge,
     JudgeAnswerError,
     JudgeContext,
     NotApplicable,
     TooLarge,
 )
-from tracejudge.metrics.judges.client import (
-    CallLedger,
-    JudgeCallError,
-    JudgeClient,
-    reset_call_ledger,
-    use_call_ledger,
-)
+from tracejudge.metrics.judges.breaker import CallLedger, JudgeCallError, reset_call_ledger, use_call_ledger
+from tracejudge.metrics.judges.client import JudgeClient
 from tracejudge.metrics.judges.config import (
     AnswerRelevancySettings,
     CustomJudgeConfig,
-    JudgeConfigError,
     JudgesConfig,
     load_judges_config,
-    resolve_api_key,
-    resolve_headers,
 )
 from tracejudge.metrics.judges.custom import CustomJudge
-from tracejudge.metrics.judges.heuristic import HEURISTIC_FACTORIES, HeuristicJudge
+from tracejudge.metrics.judges.endpoints import resolve_api_key, resolve_headers
+from tracejudge.metrics.judges.heuristic import HeuristicJudge
+from tracejudge.metrics.judges.planning import Configured, Plan, Planner, Scope, placement, record_scope
 from tracejudge.metrics.judges.redaction import Redactor, reset_redaction, use_redaction
-from tracejudge.metrics.judges.sampling import TraceFilter, sample_point, sampling_key, trace_status
-from tracejudge.metrics.judges.series import JudgeMetrics, default_app_label
+from tracejudge.metrics.judges.registry import BUILTIN_FACTORIES, HEURISTIC_FACTORIES
+from tracejudge.metrics.judges.series import JudgeMetrics
+from tracejudge.metrics.judges.spending import Spending
 from tracejudge.metrics.judges.trust.shadows import compare_shadows, configure_shadows
 from tracejudge.schemas.record import EvalRecord
 from tracejudge.schemas.result import Assessment, JudgeIdentity
@@ -104,44 +98,12 @@ def _log_once(message: str) -> None:
     log.info("%s", message)
 
 
-@dataclass
-class _Configured:
-    judge: Judge
-    rate: float
-    filter: TraceFilter
-    client: JudgeClient | None = None
-    embeddings: JudgeClient | None = None
-    budget: EndpointBudget | None = None
-    # A shadow (candidate) judge: the live judge it may replace (tracejudge.metrics.judges.trust.shadows).
-    shadow_of: str | None = None
-    # A canary judgement's copy of a live judge: observed only in the canary series.
-    canary: bool = False
-
-    @property
-    def name(self) -> str:
-        return self.judge.name
-
-    @property
-    def local(self) -> bool:
-        return isinstance(self.judge, HeuristicJudge)
-
-
-@dataclass
-class _Plan:
-    # What the judges judge: an EvalRecord here; a session's prepared transcript for the session
-    # judges (`tracejudge.metrics.judges.sessions`, which reuses this runner's machinery).
-    subject: Any
-    app: str
-    # Per configured judge, in order: the decided Assessment (a skip) or the judge to run.
-    slots: list[Assessment | _Configured]
-
-    @property
-    def remote(self) -> bool:
-        return any(isinstance(s, _Configured) and not s.local for s in self.slots)
-
-
 class JudgeRunner:
     """Runs the configured judges on records. See the module docstring for the order of decisions."""
+
+    # How the planner sees a subject (`tracejudge.metrics.judges.planning`): a record here, a
+    # conversation for the session judges.
+    scope_of: Callable[[Any], Scope] = staticmethod(record_scope)
 
     def __init__(
         self,
@@ -159,16 +121,16 @@ class JudgeRunner:
         self.metrics = metrics
         self._clock = clock
         self.clients: dict[str, JudgeClient] = {}
-        self.budgets: dict[str, EndpointBudget] = {}
-        # Hard spend caps per endpoint, and each client's price (None: unknown, judgements unpriced).
-        self.spend_caps: dict[str, SpendCap] = {}
-        self._prices: dict[int, Price | None] = {}
-        self._costs = JudgeCostMetrics.of(getattr(metrics, "registry", None) or CollectorRegistry())
+        # Budgets, spend caps and prices per endpoint (tracejudge.metrics.judges.spending).
+        self.spending = Spending(getattr(metrics, "registry", None) or CollectorRegistry(), clock)
+        self.budgets = self.spending.budgets
+        self.spend_caps = self.spending.spend_caps
         # Redaction before egress: every judge client passes its text through it (None: disabled).
         self.redactor = Redactor.for_runner(self.config.redaction, getattr(metrics, "registry", None))
         self._judges = self._configure_all(env)
+        self.planner = Planner(self._judges, self.metrics, self.config.sampling_seed)
         self._shadowed = any(c.shadow_of is not None for c in self._judges)
-        self._canaries: dict[str, _Configured] = {}
+        self._canaries: dict[str, Configured] = {}
         self._lock = threading.Lock()
         self._in_flight = 0
         self._closed = False
@@ -181,13 +143,17 @@ class JudgeRunner:
 
     # ----------------------------------------------------------------------------------- set-up
     # Hooks a runner over other subjects (the session judges) overrides: its metrics, its judges,
-    # how it plans a subject (`_plan`) and what a verdict observes (`_observe_verdict`).
+    # how the planner sees a subject (`scope_of`) and what a verdict observes (`_observe_verdict`).
     def _new_metrics(self, registry: CollectorRegistry, app_label: Callable[[str | None], str] | None) -> Any:
         return JudgeMetrics(registry, app_label or default_app_label)
 
-    def _configure_all(self, env: Mapping[str, str] | None) -> list[_Configured]:
+    def _configure_all(self, env: Mapping[str, str] | None) -> list[Configured]:
         live = [self._configure(n, s, env) for n, s in self.config.judge_settings().items()]
-        return live + configure_shadows(self, live, env)
+
+        def make(name: str, settings: Any, kind: str, model: str | None) -> Configured:
+            return self._configure(name, settings, env, kind=kind, model=model)
+
+        return live + configure_shadows(live, self.config.shadow_judges(), make)
 
     def _client(self, name: str, env: Mapping[str, str] | None, model: str | None = None) -> JudgeClient:
         # `model`: a shadow judge's candidate model on this endpoint (its own client, the same budget).
@@ -208,38 +174,9 @@ class JudgeRunner:
                 clock=self._clock,
                 redactor=self.redactor,
             )
-            if name not in self.budgets:
-                self.budgets[name] = EndpointBudget(
-                    cfg.requests_per_second, cfg.tokens_per_minute, clock=self._clock
-                )
-                self._spend_cap(name, cfg)
-            self._prices[id(self.clients[key])] = endpoint_price(cfg, model)
+            self.spending.add_client(name, cfg, self.clients[key], model)
             self.metrics.set_circuit_open(name, False)
         return self.clients[key]
-
-    def _spend_cap(self, name: str, cfg: Any) -> None:
-        """The endpoint's hard spend cap, when it has one: a cap needs a price to charge."""
-        caps = {w: v for w, v in (("hour", cfg.usd_per_hour), ("day", cfg.usd_per_day)) if v is not None}
-        if not caps:
-            return
-        if endpoint_price(cfg) is None:
-            key = f"judges.endpoints.{name}.{'usd_per_hour' if 'hour' in caps else 'usd_per_day'}"
-            raise JudgeConfigError(key, f"a spend cap needs a price, and model {cfg.model!r} is not in the "
-                                   f"price table: set judges.endpoints.{name}.price "
-                                   "{input_per_mtok, output_per_mtok}")
-        cap = self.spend_caps[name] = SpendCap(caps, clock=self._clock)
-        for window, usd in caps.items():
-            self._costs.cap.labels(name, window).set(usd)
-            self._costs.remaining.labels(name, window).set_function(
-                lambda cap=cap, window=window: cap.remaining()[window])
-
-    def _estimate_usd(self, cj: _Configured, cost: BudgetCost, price: Price) -> float:
-        """What a judgement can cost at most: twice the prompt-token estimate (the 4-characters-per-
-        token estimate is low for code and non-Latin text) and `max_output_tokens` per request."""
-        assert cj.client is not None
-        prompt = max(0, cost.tokens - cost.requests * OUTPUT_TOKENS_ESTIMATE) * 2
-        inp, out = price.of(prompt, cost.requests * cj.client.config.max_output_tokens)
-        return inp + out
 
     def _configure(
         self,
@@ -249,17 +186,16 @@ class JudgeRunner:
         *,
         kind: str | None = None,
         model: str | None = None,
-    ) -> _Configured:
+    ) -> Configured:
         """One judge. `kind`/`model`: a shadow judge that is the built-in `kind` under its own `name`,
         with `model` instead of its endpoint's."""
         cfg = self.config
-        rate = cfg.sample_rate_of(name, settings)
-        flt = TraceFilter(settings.filters if settings.filters is not None else cfg.filters)
+        rate, flt = placement(cfg, name, settings)
         if cfg.provider_of(name, settings) == "heuristic":
             heuristic = HEURISTIC_FACTORIES[kind or name](settings=settings)
             heuristic.name = name
             heuristic.identity  # noqa: B018 - computed once, here
-            return _Configured(heuristic, rate, flt)
+            return Configured(heuristic, rate, flt)
         endpoint_name = cfg.endpoint_of(settings)
         client = self._client(endpoint_name, env, model)
         embeddings = None
@@ -283,7 +219,7 @@ class JudgeRunner:
             )
             judge.name = name
         judge.identity  # noqa: B018 - computed once, here, rather than on the first verdict
-        return _Configured(judge, rate, flt, client, embeddings, self.budgets[endpoint_name])
+        return Configured(judge, rate, flt, client, embeddings, self.budgets[endpoint_name])
 
     def thinning_defaults(self) -> list[str]:
         """The defaults in effect that thin or skip judgements, one phrase each: the sample rate of
@@ -336,69 +272,10 @@ class JudgeRunner:
         return self._in_flight
 
     # ----------------------------------------------------------------------------------- decisions
-    def _skip(
-        self,
-        app: str,
-        cj: _Configured,
-        reason: str,
-        rationale: str | None = None,
-        duration: float | None = None,
-    ) -> Assessment:
-        if cj.canary:
-            self.metrics.observe_canary_skipped(cj.name, reason)
-        else:
-            self.metrics.observe_skipped(app, cj.name, reason)
-        return Assessment(
-            name=cj.name,
-            skipped=reason,
-            rationale=rationale,
-            source=cj.judge.source,
-            duration_seconds=duration,
-            judge=cj.judge.identity,
-            sample_rate=cj.rate,
-            shadow_of=cj.shadow_of,
-        )
+    def _plan(self, subject: Any) -> Plan:
+        return self.planner.plan(self.scope_of(subject))
 
-    def _plan(self, record: EvalRecord) -> _Plan:
-        app = self.metrics.app_label(record.app)
-        status = trace_status(record)
-        point: float | None = None
-        slots: list[Assessment | _Configured] = []
-        sampled: set[str] = set()
-        for cj in self._judges:
-            if cj.shadow_of is not None:
-                # A shadow judge sees exactly the records its live judge sampled (it comes after it).
-                if cj.shadow_of in sampled:
-                    missing = cj.judge.missing_inputs(record)
-                    slots.append(
-                        self._skip(app, cj, "missing_inputs", "missing: " + ", ".join(missing))
-                        if missing
-                        else cj
-                    )
-                continue
-            if status == "failed":
-                slots.append(self._skip(app, cj, "failed_trace"))
-                continue
-            if not cj.filter.matches(record, status):
-                slots.append(self._skip(app, cj, "filtered"))
-                continue
-            missing = cj.judge.missing_inputs(record)
-            if missing:
-                slots.append(self._skip(app, cj, "missing_inputs", "missing: " + ", ".join(missing)))
-                continue
-            self.metrics.observe_eligible(app, cj.name)
-            if cj.rate < 1.0:
-                if point is None:
-                    point = sample_point(sampling_key(record), self.config.sampling_seed)
-                if not point < cj.rate:
-                    slots.append(self._skip(app, cj, "not_sampled"))
-                    continue
-            self.metrics.observe_sampled(app, cj.name)
-            sampled.add(cj.name)
-            slots.append(cj)
-        return _Plan(record, app, slots)
-
-    def _finish(self, plan: _Plan, results: Mapping[int, Assessment]) -> list[Assessment]:
+    def _finish(self, plan: Plan, results: Mapping[int, Assessment]) -> list[Assessment]:
         out = []
         for i, slot in enumerate(plan.slots):
             a = slot if isinstance(slot, Assessment) else results[i]
@@ -410,33 +287,33 @@ class JudgeRunner:
         return out
 
     def _run_local(
-        self, plan: _Plan, only_local: bool, skip_reason: str | None = None
+        self, plan: Plan, only_local: bool, skip_reason: str | None = None
     ) -> dict[int, Assessment]:
         """Run the heuristic judges inline; with `skip_reason`, skip the remote ones for that reason."""
         done: dict[int, Assessment] = {}
         for i, slot in enumerate(plan.slots):
-            if isinstance(slot, _Configured):
+            if isinstance(slot, Configured):
                 if slot.local:
                     done[i] = self._run_heuristic(slot, plan)
                 elif skip_reason is not None:
-                    done[i] = self._skip(plan.app, slot, skip_reason)
+                    done[i] = self.planner.skip(plan.app, slot, skip_reason)
                 elif only_local:
                     raise AssertionError("remote judge in a local-only plan")
         return done
 
-    def _run_heuristic(self, cj: _Configured, plan: _Plan) -> Assessment:
+    def _run_heuristic(self, cj: Configured, plan: Plan) -> Assessment:
         assert isinstance(cj.judge, HeuristicJudge)
         t0 = time.perf_counter()
         try:
             a = cj.judge.judge_now(plan.subject)
         except NotApplicable as exc:
-            return self._skip(plan.app, cj, "not_applicable", str(exc))
+            return self.planner.skip(plan.app, cj, "not_applicable", str(exc))
         except Exception as exc:  # a bug in a heuristic must not lose the record
             log.warning("heuristic judge %s failed: %s", cj.name, type(exc).__name__)
             a = self._error(cj, "internal", type(exc).__name__)
         return self._observe(plan, cj, a, time.perf_counter() - t0)
 
-    def _error(self, cj: _Configured, reason: str, detail: str) -> Assessment:
+    def _error(self, cj: Configured, reason: str, detail: str) -> Assessment:
         if not cj.canary:
             self.metrics.observe_error(cj.name, reason)
         return Assessment(
@@ -447,7 +324,7 @@ class JudgeRunner:
             shadow_of=cj.shadow_of,
         )
 
-    def _observe(self, plan: _Plan, cj: _Configured, a: Assessment, seconds: float) -> Assessment:
+    def _observe(self, plan: Plan, cj: Configured, a: Assessment, seconds: float) -> Assessment:
         a.duration_seconds = round(seconds, 6)
         a.sample_rate = cj.rate
         if cj.canary:  # observed by the canary series only (tracejudge.metrics.judges.trust.canaries)
@@ -458,39 +335,31 @@ class JudgeRunner:
             self._observe_verdict(plan, cj, a)
         return a
 
-    def _observe_verdict(self, plan: _Plan, cj: _Configured, a: Assessment) -> None:
+    def _observe_verdict(self, plan: Plan, cj: Configured, a: Assessment) -> None:
         self.metrics.observe_verdict(
             plan.app, cj.name, passed=a.passed, score=a.score, trace_id=plan.subject.trace_id
         )
 
-    async def _run_remote(self, cj: _Configured, plan: _Plan) -> Assessment:
+    async def _run_remote(self, cj: Configured, plan: Plan) -> Assessment:
         assert cj.client is not None
         if not cj.client.breaker.allows() or (
             cj.embeddings is not None and not cj.embeddings.breaker.allows()
         ):
-            return self._skip(plan.app, cj, "circuit_open")
+            return self.planner.skip(plan.app, cj, "circuit_open")
         try:
             job = cj.judge.prepare(plan.subject)
         except TooLarge as exc:
-            return self._skip(plan.app, cj, "too_large", str(exc))
+            return self.planner.skip(plan.app, cj, "too_large", str(exc))
         except NotApplicable as exc:
-            return self._skip(plan.app, cj, "not_applicable", str(exc))
-        if cj.budget is not None and not cj.budget.try_acquire(job.cost):
-            return self._skip(plan.app, cj, "budget")
-        price = self._prices.get(id(cj.client))
-        cap = self.spend_caps.get(cj.client.name)
-        estimate = 0.0
-        if cap is not None and price is not None:
-            estimate = self._estimate_usd(cj, job.cost, price)
-            if not cap.try_charge(estimate):
-                if cj.budget is not None:  # nothing was sent: the request and token budgets get it back
-                    cj.budget.settle(job.cost, requests_made=0, tokens_used=0)
-                return self._skip(plan.app, cj, "budget")
+            return self.planner.skip(plan.app, cj, "not_applicable", str(exc))
+        reserved = self.spending.reserve(cj, job.cost)
+        if reserved is None:
+            return self.planner.skip(plan.app, cj, "budget")
         ctx = JudgeContext(cj.client, cj.embeddings)
         # One redaction session per judgement: the same value gets the same placeholder in all its calls.
-        redaction = self.redactor.session() if self.redactor is not None else None
+        redaction = self.redactor.session(plan.redaction_memo) if self.redactor is not None else None
         redaction_token = use_redaction(redaction)
-        # What all the judgement's calls did (tracejudge.metrics.judges.client.CallLedger).
+        # What all the judgement's calls did (tracejudge.metrics.judges.breaker.CallLedger).
         calls = CallLedger()
         calls_token = use_call_ledger(calls)
         t0 = time.perf_counter()
@@ -500,7 +369,8 @@ class JudgeRunner:
         except JudgeCallError as exc:
             if exc.reason == "circuit_open" and calls.sent == 0:
                 # Another judgement opened the breaker between our check and our first request.
-                return self._skip(plan.app, cj, "circuit_open", duration=round(time.perf_counter() - t0, 6))
+                waited = round(time.perf_counter() - t0, 6)
+                return self.planner.skip(plan.app, cj, "circuit_open", duration=waited)
             # A judgement that sent requests reports the error they got, not the refusal of a retry.
             a = self._error(cj, *calls.explain(exc))
         except JudgeAnswerError as exc:
@@ -518,26 +388,17 @@ class JudgeRunner:
         finally:
             reset_call_ledger(calls_token)
             reset_redaction(redaction_token)
-            if cj.budget is not None:
-                cj.budget.settle(
-                    job.cost, requests_made=ctx.requests, tokens_used=ctx.input_tokens + ctx.output_tokens
-                )
+            self.spending.settle(reserved, ctx)
             self.metrics.observe_tokens(cj.name, ctx.input_tokens, ctx.output_tokens)
-            if cap is not None and price is not None:
-                spent_in, spent_out = price.of(ctx.input_tokens, ctx.output_tokens)
-                cap.settle(estimate, spent_in + spent_out)
         a.input_tokens, a.output_tokens = ctx.reported_usage()
-        if price is not None and a.input_tokens is not None and a.output_tokens is not None:
-            cost_in, cost_out = price.of(a.input_tokens, a.output_tokens)
-            a.cost_usd = round(cost_in + cost_out, 9)
-            self._costs.cost.labels(cj.name).inc(a.cost_usd)
+        self.spending.charge(reserved, cj.name, a)
         if redaction is not None and redaction.replaced:
             a.redacted = True
         return self._observe(plan, cj, a, time.perf_counter() - t0)
 
-    async def _execute(self, plan: _Plan) -> list[Assessment]:
+    async def _execute(self, plan: Plan) -> list[Assessment]:
         done = self._run_local(plan, only_local=False)
-        remote = [(i, s) for i, s in enumerate(plan.slots) if isinstance(s, _Configured) and not s.local]
+        remote = [(i, s) for i, s in enumerate(plan.slots) if isinstance(s, Configured) and not s.local]
         results = await asyncio.gather(*(self._run_remote(s, plan) for _, s in remote))
         done.update((i, a) for (i, _), a in zip(remote, results, strict=True))
         return self._finish(plan, done)
@@ -612,29 +473,29 @@ class JudgeRunner:
         if cj is None:
             live = next(c for c in self._judges if c.name == name and c.shadow_of is None)
             cj = self._canaries[name] = replace(live, canary=True)
-        plan = _Plan(record, "canary", [cj])
+        plan = Plan(record, "canary", [cj])
         done: concurrent.futures.Future[Assessment] = concurrent.futures.Future()
         if cj.local:
             done.set_result(self._run_heuristic(cj, plan))
             return done
         if self._closed or not self._enter():
-            done.set_result(self._skip(plan.app, cj, "closed" if self._closed else "overloaded"))
+            done.set_result(self.planner.skip(plan.app, cj, "closed" if self._closed else "overloaded"))
             return done
         try:
             loop = self._background_loop()
         except RuntimeError:  # closed meanwhile
             self._leave()
-            done.set_result(self._skip(plan.app, cj, "closed"))
+            done.set_result(self.planner.skip(plan.app, cj, "closed"))
             return done
         fut = asyncio.run_coroutine_threadsafe(self._run_canary(cj, plan), loop)
         fut.add_done_callback(self._leave)
         return fut
 
-    async def _run_canary(self, cj: _Configured, plan: _Plan) -> Assessment:
+    async def _run_canary(self, cj: Configured, plan: Plan) -> Assessment:
         self._bind()
         return await self._run_remote(cj, plan)
 
-    async def _execute_bound(self, plan: _Plan) -> list[Assessment]:
+    async def _execute_bound(self, plan: Plan) -> list[Assessment]:
         self._bind()
         return await self._execute(plan)
 

@@ -12,7 +12,9 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["SKIP_REASONS", "JudgeMetrics", "default_app_label"]
+from tracejudge.metrics.app_labels import default_app_label
+
+__all__ = ["SKIP_REASONS", "JudgeMetrics"]
 
 # The closed set of skip reasons (`Assessment.skipped` and the `reason` label).
 SKIP_REASONS = frozenset(
@@ -49,10 +51,6 @@ SCORE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 DURATION_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # Exemplar label names + values must stay within 128 characters.
 _EXEMPLAR_ID_MAX = 100
-
-
-def default_app_label(app: str | None) -> str:
-    return app or "unknown"
 
 
 def _exemplar(trace_id: str | None) -> dict[str, str] | None:

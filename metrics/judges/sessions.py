@@ -56,8 +56,8 @@ from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry, Counter
 
-from tracejudge.metrics.judges.budget import Cost, estimate_tokens
-from tracejudge.metrics.judges.builtin import (
+from tracejudge.metrics.app_labels import AppLabelLimiter
+from tracejudge.metrics.judges.base import (
     LIST_SHAPE,
     OUTPUT_TOKENS_ESTIMATE,
     SYSTEM,
@@ -77,6 +77,7 @@ from tracejudge.metrics.judges.builtin import (
     parse_verdict_list,
     render,
 )
+from tracejudge.metrics.judges.budget import Cost, estimate_tokens
 from tracejudge.metrics.judges.config import (
     ConversationalGuidelinesSettings,
     CustomJudgeConfig,
@@ -85,11 +86,10 @@ from tracejudge.metrics.judges.config import (
 )
 from tracejudge.metrics.judges.custom import CustomJudge
 from tracejudge.metrics.judges.heuristic_sessions import FRUSTRATION_SCORES, HeuristicUserFrustration
+from tracejudge.metrics.judges.planning import Configured, Plan, Scope, placement
 from tracejudge.metrics.judges.prompt_safety import Fragment, embed, trusted
-from tracejudge.metrics.judges.runner import JudgeRunner, _Configured, _Plan
-from tracejudge.metrics.judges.sampling import TraceFilter, sample_point
+from tracejudge.metrics.judges.runner import JudgeRunner
 from tracejudge.metrics.judges.series import JudgeSeries, judge_families
-from tracejudge.metrics.telemetry.evaluation import AppLabelLimiter
 from tracejudge.schemas.result import Assessment
 from tracejudge.schemas.session import Turn
 
@@ -241,6 +241,19 @@ class Transcript:
         if judged >= total and not clipped:
             return None
         return f"(judged the last {judged} of {total} turns" + (", last turn clipped)" if clipped else ")")
+
+
+def conversation_scope(conversation: Conversation) -> Scope:
+    """A conversation as the planner sees it (`tracejudge.metrics.judges.planning`): its transcript is
+    what the judges judge, its session id the sampling key, and a judge's filters admit it by `apps`
+    only (status and tags belong to single traces)."""
+    app = conversation.app
+    return Scope(
+        Transcript(conversation),
+        app,
+        conversation.session_id,
+        lambda flt: flt.apps is None or app in flt.apps,
+    )
 
 
 def _with_note(rationale: str | None, note: str | None) -> str | None:
@@ -457,11 +470,9 @@ class SessionJudge(Judge):
 
 
 class UserFrustration(SessionJudge):
+    name = "user_frustration"
     template = USER_FRUSTRATION_PROMPT
     schema = FRUSTRATION_SCHEMA
-
-    def __init__(self, **kw: Any):
-        super().__init__(name="user_frustration", **kw)
 
     def parse(self, text: str) -> Assessment:
         obj = parse_json_answer(text)
@@ -482,31 +493,23 @@ class UserFrustration(SessionJudge):
 
 
 class ConversationCompleteness(SessionJudge):
+    name = "conversation_completeness"
     template = CONVERSATION_COMPLETENESS_PROMPT
-
-    def __init__(self, **kw: Any):
-        super().__init__(name="conversation_completeness", **kw)
 
 
 class KnowledgeRetention(SessionJudge):
+    name = "knowledge_retention"
     template = KNOWLEDGE_RETENTION_PROMPT
-
-    def __init__(self, **kw: Any):
-        super().__init__(name="knowledge_retention", **kw)
 
 
 class ConversationalRoleAdherence(SessionJudge):
+    name = "conversational_role_adherence"
     template = ROLE_ADHERENCE_PROMPT
-
-    def __init__(self, **kw: Any):
-        super().__init__(name="conversational_role_adherence", **kw)
 
 
 class ConversationalSafety(SessionJudge):
+    name = "conversational_safety"
     template = CONVERSATIONAL_SAFETY_PROMPT
-
-    def __init__(self, **kw: Any):
-        super().__init__(name="conversational_safety", **kw)
 
 
 class ConversationalGuidelines(SessionJudge):
@@ -514,9 +517,10 @@ class ConversationalGuidelines(SessionJudge):
 
     template = CONVERSATIONAL_GUIDELINES_PROMPT
     schema = VERDICT_LIST_SCHEMA
+    name = "conversational_guidelines"
 
     def __init__(self, **kw: Any):
-        super().__init__(name="conversational_guidelines", **kw)
+        super().__init__(**kw)
         assert isinstance(self.settings, ConversationalGuidelinesSettings)
         self.guidelines = [g.strip() for g in self.settings.guidelines if g.strip()]
 
@@ -645,6 +649,9 @@ class SessionJudgeRunner(JudgeRunner):
     `app_label` to share the stream's app cap.
     """
 
+    # The planner's view of a conversation (the one planning path, tracejudge.metrics.judges.planning).
+    scope_of = staticmethod(conversation_scope)
+
     def __init__(
         self,
         config: JudgesConfig | Mapping[str, Any] | None = None,
@@ -661,20 +668,19 @@ class SessionJudgeRunner(JudgeRunner):
     ) -> SessionJudgeMetrics:
         return SessionJudgeMetrics(registry, app_label)
 
-    def _configure_all(self, env: Mapping[str, str] | None) -> list[_Configured]:
+    def _configure_all(self, env: Mapping[str, str] | None) -> list[Configured]:
         return [self._configure_session(n, s, env) for n, s in self.config.session_judge_settings().items()]
 
     def _configure_session(
         self, name: str, settings: JudgeSettings, env: Mapping[str, str] | None
-    ) -> _Configured:
+    ) -> Configured:
         cfg = self.config
-        rate = cfg.sample_rate_of(name, settings)
-        flt = TraceFilter(settings.filters if settings.filters is not None else cfg.filters)
+        rate, flt = placement(cfg, name, settings)
         judge: Judge
         if cfg.provider_of(name, settings) == "heuristic":
             judge = HeuristicUserFrustration(settings=settings)
             judge.identity  # noqa: B018 - computed once, here
-            return _Configured(judge, rate, flt)
+            return Configured(judge, rate, flt)
         endpoint_name = cfg.endpoint_of(settings)
         client = self._client(endpoint_name, env)
         if isinstance(settings, CustomJudgeConfig):
@@ -684,34 +690,9 @@ class SessionJudgeRunner(JudgeRunner):
                 settings=settings, endpoint=client.config, endpoint_name=endpoint_name
             )
         judge.identity  # noqa: B018 - computed once, here, rather than on the first verdict
-        return _Configured(judge, rate, flt, client, None, self.budgets[endpoint_name])
+        return Configured(judge, rate, flt, client, None, self.budgets[endpoint_name])
 
-    def _plan(self, conversation: Conversation) -> _Plan:  # type: ignore[override]
-        transcript = Transcript(conversation)
-        app = self.metrics.app_label(conversation.app)
-        point: float | None = None
-        slots: list[Assessment | _Configured] = []
-        for cj in self._judges:
-            apps = cj.filter.apps
-            if apps is not None and conversation.app not in apps:
-                slots.append(self._skip(app, cj, "filtered"))
-                continue
-            missing = cj.judge.missing_inputs(transcript)
-            if missing:
-                slots.append(self._skip(app, cj, "missing_inputs", "missing: " + ", ".join(missing)))
-                continue
-            self.metrics.observe_eligible(app, cj.name)
-            if cj.rate < 1.0:
-                if point is None:
-                    point = sample_point(conversation.session_id, self.config.sampling_seed)
-                if not point < cj.rate:
-                    slots.append(self._skip(app, cj, "not_sampled"))
-                    continue
-            self.metrics.observe_sampled(app, cj.name)
-            slots.append(cj)
-        return _Plan(transcript, app, slots)
-
-    def _observe_verdict(self, plan: _Plan, cj: _Configured, a: Assessment) -> None:
+    def _observe_verdict(self, plan: Plan, cj: Configured, a: Assessment) -> None:
         self.metrics.observe_session_verdict(plan.app, cj.name, a, plan.subject.session_id)
 
     # Typed entry points (the machinery is JudgeRunner's).

@@ -48,8 +48,7 @@ from typing import Any
 
 import orjson
 
-from tracejudge.metrics.judges.budget import Cost
-from tracejudge.metrics.judges.builtin import (
+from tracejudge.metrics.judges.base import (
     SYSTEM,
     VERDICT_SCHEMA,
     VERDICT_SHAPE,
@@ -59,6 +58,7 @@ from tracejudge.metrics.judges.builtin import (
     clip_text,
     render,
 )
+from tracejudge.metrics.judges.budget import Cost
 from tracejudge.metrics.judges.config import ToolCallCorrectnessSettings
 from tracejudge.metrics.judges.custom import format_trajectory
 from tracejudge.metrics.judges.heuristic import HeuristicJudge
@@ -395,8 +395,7 @@ def _code_job(judge: Judge, verdict: Verdict) -> Job:
 class CodeToolCallCorrectness(HeuristicJudge):
     """Exact mode only: the judge when no endpoint is configured (or `provider: heuristic`)."""
 
-    def __init__(self, **kw: Any):
-        super().__init__(name="tool_call_correctness", **kw)
+    name = "tool_call_correctness"
 
     def prompt_material(self) -> tuple[Any, ...]:
         return (TOOL_CALL_CODE_VERSION,)
@@ -417,8 +416,7 @@ class ToolCallCorrectness(Judge):
                  PARTIAL_EXPECTATIONS_CRITERIA, ORDERING_CHECK, ORDERING_IGNORE, VERDICT_SCHEMA,
                  TOOL_CALL_CODE_VERSION)
 
-    def __init__(self, **kw: Any):
-        super().__init__(name="tool_call_correctness", **kw)
+    name = "tool_call_correctness"
 
     def _uses_code(self, record: EvalRecord) -> bool:
         mode = _settings(self).mode
@@ -458,8 +456,7 @@ class ToolCallCorrectness(Judge):
 class CodeToolCallEfficiency(HeuristicJudge):
     """Exact repeats only: the judge when no endpoint is configured (or `provider: heuristic`)."""
 
-    def __init__(self, **kw: Any):
-        super().__init__(name="tool_call_efficiency", **kw)
+    name = "tool_call_efficiency"
 
     def prompt_material(self) -> tuple[Any, ...]:
         return (TOOL_CALL_CODE_VERSION,)
@@ -480,8 +477,7 @@ class ToolCallEfficiency(Judge):
 
     templates = (SYSTEM, EFFICIENCY_PROMPT, VERDICT_SCHEMA, TOOL_CALL_CODE_VERSION)
 
-    def __init__(self, **kw: Any):
-        super().__init__(name="tool_call_efficiency", **kw)
+    name = "tool_call_efficiency"
 
     def missing_inputs(self, record: EvalRecord) -> list[str]:
         if not _has_trajectory(record):

@@ -7,7 +7,7 @@ Other modules (judge metrics) register their families on `exporter.registry` and
 label with the same `exporter.apps` limiter.
 
 Label values come from bounded sets only: configured topics, a closed set of reasons, computed metric
-names, and the `app` a record names, which is capped by `AppLabelLimiter`.
+names, and the `app` a record names, which is capped by `tracejudge.metrics.app_labels.AppLabelLimiter`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Collection
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from tracejudge.metrics.app_labels import AppLabelLimiter, label_text
 from tracejudge.metrics.computed import RATIO_METRICS
 from tracejudge.metrics.cost import COST_ERROR_KEY, ignored_reason, unknown_reason
 from tracejudge.metrics.telemetry.consumer import ConsumerMetrics
@@ -27,9 +28,6 @@ from tracejudge.schemas.result import EvaluationResult
 
 __all__ = [
     "LATENCY_BUCKETS",
-    "OTHER_APP",
-    "UNKNOWN_APP",
-    "AppLabelLimiter",
     "PrometheusExporter",
 ]
 
@@ -47,60 +45,9 @@ PROCESSING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025
 _INF = float("inf")
 _ANOMALIES = frozenset(ANOMALIES)
 
-OTHER_APP = "other"
-UNKNOWN_APP = "unknown"
 # Exemplar label names + values may not exceed 128 characters ("trace_id" is 8 of them).
 _EXEMPLAR_VALUE_MAX = 120
-_APP_VALUE_MAX = 100
 _EXEMPLAR_INTERVAL = 1.0
-
-
-def _utf8(text: str) -> str:
-    """`text` as UTF-8 can write it. Records from custom format handlers may hold a lone surrogate
-    (the built-in formats replace those): one in a label would fail every scrape from then on."""
-    if text.isascii():
-        return text
-    return text.encode("utf-8", "replace").decode("utf-8")
-
-
-class AppLabelLimiter:
-    """Maps a record's `app` to a label value, admitting at most `max_apps` distinct values.
-
-    A producer that puts a request id in the app field would otherwise create one series per request;
-    past the cap every new value becomes `other` and `tracejudge_app_label_overflow_total` counts it.
-    Records without an app get `unknown`. First come, first admitted; nothing is ever evicted, so a
-    series never changes meaning while the process lives.
-    """
-
-    def __init__(self, max_apps: int, overflow: Counter) -> None:
-        if max_apps < 1:
-            raise ValueError("max_apps must be >= 1")
-        self.max_apps = max_apps
-        self._overflow = overflow
-        self._admitted: set[str] = set()
-        self._lock = threading.Lock()
-
-    def __call__(self, app: str | None) -> str:
-        if not app:
-            return UNKNOWN_APP
-        if app in self._admitted:
-            return app
-        if len(app) > _APP_VALUE_MAX or not app.isascii():
-            app = _utf8(app[:_APP_VALUE_MAX])
-            if app in self._admitted:
-                return app
-        with self._lock:
-            if app in self._admitted:
-                return app
-            if len(self._admitted) < self.max_apps:
-                self._admitted.add(app)
-                return app
-        self._overflow.inc()
-        return OTHER_APP
-
-    @property
-    def admitted(self) -> frozenset[str]:
-        return frozenset(self._admitted)
 
 
 class _AppSeries:
@@ -232,7 +179,7 @@ class PrometheusExporter(ConsumerMetrics):
         slot = -1 if rec.failed else -2
         exemplar = None
         if trace_id and now >= due[slot]:
-            exemplar = {"trace_id": _utf8(trace_id[:_EXEMPLAR_VALUE_MAX])}
+            exemplar = {"trace_id": label_text(trace_id[:_EXEMPLAR_VALUE_MAX])}
             due[slot] = now + _EXEMPLAR_INTERVAL
         (s.errors if rec.failed else s.ok).inc(1, exemplar)
         latency = rec.latency_seconds
@@ -241,7 +188,7 @@ class PrometheusExporter(ConsumerMetrics):
             bucket = bisect.bisect_left(LATENCY_BUCKETS, latency)
             exemplar = None
             if trace_id and now >= due[bucket]:
-                exemplar = {"trace_id": _utf8(trace_id[:_EXEMPLAR_VALUE_MAX])}
+                exemplar = {"trace_id": label_text(trace_id[:_EXEMPLAR_VALUE_MAX])}
                 due[bucket] = now + _EXEMPLAR_INTERVAL
             s.latency.observe(latency, exemplar)
         tokens = rec.tokens

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from tracejudge.metrics.app_labels import AppLabelLimiter
 from tracejudge.metrics.telemetry.consumer import ConsumerMetrics
-from tracejudge.metrics.telemetry.evaluation import AppLabelLimiter
 
 __all__ = ["DURATION_BUCKETS", "EARLY_CLOSE_REASONS", "FORGET_REASONS", "IGNORE_REASONS", "PLACED_REASONS",
            "TURN_BUCKETS", "SessionMetrics"]

@@ -27,7 +27,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from tracejudge.metrics.judges.series import default_app_label
+from tracejudge.metrics.app_labels import default_app_label
 from tracejudge.schemas.result import EvaluationResult, JudgeIdentity
 
 __all__ = ["LABEL_OUTCOMES", "STATS", "TrustMetrics", "label_passed",

@@ -15,18 +15,12 @@ from typing import Any
 
 from tracejudge.schemas import errors
 from tracejudge.schemas.errors import RecordError
-from tracejudge.schemas.formats.conventions import identity
-from tracejudge.schemas.formats.derive import (
-    apply_expectations,
-    derive,
-    documents_from_output,
-    merge,
-    request_text,
-    response_text,
-)
+from tracejudge.schemas.formats.derive import apply_expectations, derive, documents_from_output, merge
+from tracejudge.schemas.formats.derive_text import request_text, response_text
 from tracejudge.schemas.formats.inputs import AgentEvalRecord, ValidationError, describe
 from tracejudge.schemas.formats.mlflow import parse_trace, tagged_identity
 from tracejudge.schemas.formats.mlflow_wire import parse_trace_json
+from tracejudge.schemas.formats.session_identity import identity
 from tracejudge.schemas.record import EvalRecord, ToolCall
 
 __all__ = ["is_agent_eval_record", "normalise_agent_eval"]

@@ -19,16 +19,23 @@ arbitrary attribute would put wrong text in front of the judges.
 Chat messages from every dialect are rewritten into the OpenAI chat shapes MLflow records
 (`{"messages": [...]}` in, `{"choices": [{"message": ...}]}` out), so `tracejudge.schemas.formats.derive`
 extracts request and response from an OTLP chat span by the same rules as from an MLflow span.
+
+Neighbours: how attribute values are written (JSON text, indexed keys) is `attribute_values`; the
+session and user a trace states, `session_identity`; the model and cost a span states, `model_cost`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
-import orjson
-
+from tracejudge.schemas.formats.attribute_values import (
+    indexed_items,
+    json_arguments,
+    json_items,
+    loose_json,
+    strict_json,
+)
 from tracejudge.schemas.trace import Document, Span, SpanKind, SpanStatus, TokenUsage
 
 # Any one of these present means the span follows a convention we read.
@@ -131,8 +138,8 @@ def _read_convention(span: Span, attrs: dict[str, Any], flat: dict[str, Any],
     kind = _kind(attrs)
     span.kind = kind
     if mlflow:
-        span.inputs = _strict_json(attrs.get("mlflow.spanInputs"))
-        span.outputs = _strict_json(attrs.get("mlflow.spanOutputs"))
+        span.inputs = strict_json(attrs.get("mlflow.spanInputs"))
+        span.outputs = strict_json(attrs.get("mlflow.spanOutputs"))
     else:
         span.inputs = _inputs(attrs, flat, kind)
         span.outputs = _outputs(attrs, flat, kind)
@@ -153,7 +160,7 @@ def _read_convention(span: Span, attrs: dict[str, Any], flat: dict[str, Any],
 def _kind(attrs: Mapping[str, Any]) -> SpanKind:
     value = attrs.get("mlflow.spanType")
     if value is not None:
-        return _MLFLOW_KINDS.get(str(_strict_json(value)).upper(), SpanKind.UNKNOWN)
+        return _MLFLOW_KINDS.get(str(strict_json(value)).upper(), SpanKind.UNKNOWN)
     value = attrs.get("openinference.span.kind")
     if value is not None:
         return _OPENINFERENCE_KINDS.get(str(value).upper(), SpanKind.UNKNOWN)
@@ -181,26 +188,26 @@ def _inputs(attrs: dict[str, Any], flat: dict[str, Any], kind: SpanKind) -> Any:
         if "gen_ai.tool.call.arguments" in attrs:
             # "SHOULD do the best effort to deserialize it to an object" (GenAI spec). OpenLLMetry's
             # LangChain tools write the callback's wrapper there too: unwrapped.
-            return _unwrap_call(_strict_json(attrs["gen_ai.tool.call.arguments"]))
+            return _unwrap_call(strict_json(attrs["gen_ai.tool.call.arguments"]))
         if "tool_arguments" in attrs:  # Pydantic AI's instrumentation before its version 3
-            return _strict_json(attrs["tool_arguments"])
+            return strict_json(attrs["tool_arguments"])
         if "input.value" in attrs:
             return _unwrap_call(_openinference_value(attrs, "input"))
         if "traceloop.entity.input" in attrs:
-            return _unwrap_call(_strict_json(attrs["traceloop.entity.input"]))
+            return _unwrap_call(strict_json(attrs["traceloop.entity.input"]))
         # OpenInference's tool.parameters is the call's arguments in some instrumentations and the
         # tool's schema in others; it is read only when nothing states the actual call.
-        return _json_value(attrs["tool.parameters"]) if "tool.parameters" in attrs else None
+        return loose_json(attrs["tool.parameters"]) if "tool.parameters" in attrs else None
     messages = _chat_request(attrs, flat)
     if messages is not None and (_has_content(messages) or "input.value" not in attrs):
         return {"messages": messages}
     if "input.value" in attrs:
         return _openinference_value(attrs, "input")
     if "traceloop.entity.input" in attrs:
-        return _unwrap_call(_strict_json(attrs["traceloop.entity.input"]))
+        return _unwrap_call(strict_json(attrs["traceloop.entity.input"]))
     if "pydantic_ai.all_messages" in attrs:
         # Pydantic AI's agent run: the run's whole message history, GenAI-shaped.
-        return {"messages": [_genai_message(m) for m in _json_list(attrs["pydantic_ai.all_messages"])]}
+        return {"messages": [_genai_message(m) for m in json_items(attrs["pydantic_ai.all_messages"])]}
     if "gen_ai.retrieval.query.text" in attrs:
         return attrs["gen_ai.retrieval.query.text"]
     return None
@@ -208,18 +215,18 @@ def _inputs(attrs: dict[str, Any], flat: dict[str, Any], kind: SpanKind) -> Any:
 
 def _outputs(attrs: dict[str, Any], flat: dict[str, Any], kind: SpanKind) -> Any:
     if kind is SpanKind.TOOL and "gen_ai.tool.call.result" in attrs:
-        return _strict_json(attrs["gen_ai.tool.call.result"])
+        return strict_json(attrs["gen_ai.tool.call.result"])
     if kind is SpanKind.TOOL and "tool_response" in attrs:
-        return _json_value(attrs["tool_response"])
+        return loose_json(attrs["tool_response"])
     if "final_result" in attrs:  # Pydantic AI's agent run: the run's output
-        return _json_value(attrs["final_result"])
+        return loose_json(attrs["final_result"])
     choices = _chat_response(attrs, flat)
     if choices is not None and (_has_content([c["message"] for c in choices]) or "output.value" not in attrs):
         return {"choices": choices}
     if "output.value" in attrs:
         return _openinference_value(attrs, "output")
     if "traceloop.entity.output" in attrs:
-        return _unwrap_call(_strict_json(attrs["traceloop.entity.output"]))
+        return _unwrap_call(strict_json(attrs["traceloop.entity.output"]))
     return None
 
 
@@ -252,7 +259,7 @@ def read_content_events(span: Span, events: Sequence[tuple[str, Mapping[str, Any
         # Strands Agents' tool span: the call's arguments as a tool message, its result as a choice.
         for name, attrs in events:
             if name == "gen_ai.tool.message" and span.inputs is None:
-                span.inputs = _json_value(attrs.get("content"))
+                span.inputs = loose_json(attrs.get("content"))
             elif name == _CHOICE_EVENT and span.outputs is None:
                 span.outputs = _content_text(attrs.get("message"))
         return
@@ -263,7 +270,7 @@ def read_content_events(span: Span, events: Sequence[tuple[str, Mapping[str, Any
         if role is not None:
             messages.append(_event_message(attrs, role))
         elif name == _CHOICE_EVENT:
-            message = _json_value(attrs.get("message"))
+            message = loose_json(attrs.get("message"))
             out = (_event_message(message, "assistant") if isinstance(message, Mapping)
                    else {"role": "assistant", "content": _content_text(message)})
             choice: dict[str, Any] = {"index": _int(attrs.get("index")) or len(choices), "message": out}
@@ -278,11 +285,11 @@ def read_content_events(span: Span, events: Sequence[tuple[str, Mapping[str, Any
             if found:
                 choices.extend(found)
         elif name == _PROMPT_EVENT and "gen_ai.prompt" in attrs:
-            prompt = _json_value(attrs["gen_ai.prompt"])
+            prompt = loose_json(attrs["gen_ai.prompt"])
             for m in prompt if isinstance(prompt, list) else [prompt]:
                 messages.append(_event_message(m, "user"))
         elif name == _COMPLETION_EVENT and "gen_ai.completion" in attrs:
-            completion = _json_value(attrs["gen_ai.completion"])
+            completion = loose_json(attrs["gen_ai.completion"])
             for m in completion if isinstance(completion, list) else [completion]:
                 choices.append({"index": len(choices), "message": _event_message(m, "assistant")})
     if span.inputs is None and messages:
@@ -298,9 +305,9 @@ def _event_message(attrs: Any, role: str) -> dict[str, Any]:
         return {"role": role, "content": _content_text(attrs)}
     out: dict[str, Any] = {"role": attrs.get("role") or role, "content": _content_text(attrs.get("content"))}
     if out["content"] is None and "parts" in attrs:
-        parts = _json_value(attrs["parts"])
+        parts = loose_json(attrs["parts"])
         out["content"] = _parts_text(parts if isinstance(parts, list) else [parts])
-    calls = _json_value(attrs.get("tool_calls"))
+    calls = loose_json(attrs.get("tool_calls"))
     if isinstance(calls, list) and calls:
         out["tool_calls"] = calls
     if attrs.get("id") is not None and role == "tool":
@@ -311,7 +318,7 @@ def _event_message(attrs: Any, role: str) -> dict[str, Any]:
 def _content_text(value: Any) -> str | None:
     """Text of a content value: a string (JSON-decoded when it is a JSON array or object), or a
     list of content blocks, `{"text": ...}` (Strands, Bedrock) or `{"type": "text", ...}` parts."""
-    value = _json_value(value)
+    value = loose_json(value)
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, Mapping):
@@ -335,26 +342,26 @@ def _openinference_value(attrs: Mapping[str, Any], which: str) -> Any:
     value = attrs[f"{which}.value"]
     mime = attrs.get(f"{which}.mime_type")
     if mime == "application/json":
-        return _strict_json(value)
+        return strict_json(value)
     if mime == "text/plain":
         return value
-    return _json_value(value)
+    return loose_json(value)
 
 
 def _chat_request(attrs: dict[str, Any], flat: dict[str, Any]) -> list[dict[str, Any]] | None:
     """Input chat messages from whichever dialect states them, as OpenAI-style messages."""
     if "gen_ai.input.messages" in attrs:
-        messages = [_genai_message(m) for m in _json_list(attrs["gen_ai.input.messages"])]
+        messages = [_genai_message(m) for m in json_items(attrs["gen_ai.input.messages"])]
         system = attrs.get("gen_ai.system_instructions")
         if system is not None:
-            parts = _json_value(system)
+            parts = loose_json(system)
             content = _parts_text(parts if isinstance(parts, list) else [parts])
             messages.insert(0, {"role": "system", "content": content})
         return messages
-    items = _indexed(flat, "llm.input_messages.")
+    items = indexed_items(flat, "llm.input_messages.")
     if items:
         return [_openinference_message(m) for m in items]
-    items = _indexed(flat, "gen_ai.prompt.")
+    items = indexed_items(flat, "gen_ai.prompt.")
     if items:
         return [_traceloop_message(m) for m in items]
     return None
@@ -363,16 +370,16 @@ def _chat_request(attrs: dict[str, Any], flat: dict[str, Any]) -> list[dict[str,
 def _chat_response(attrs: dict[str, Any], flat: dict[str, Any]) -> list[dict[str, Any]] | None:
     if "gen_ai.output.messages" in attrs:
         out = []
-        for i, m in enumerate(_json_list(attrs["gen_ai.output.messages"])):
+        for i, m in enumerate(json_items(attrs["gen_ai.output.messages"])):
             choice: dict[str, Any] = {"index": i, "message": _genai_message(m)}
             if isinstance(m, Mapping) and m.get("finish_reason") is not None:
                 choice["finish_reason"] = m["finish_reason"]
             out.append(choice)
         return out
-    items = _indexed(flat, "llm.output_messages.")
+    items = indexed_items(flat, "llm.output_messages.")
     if items:
         return [{"index": i, "message": _openinference_message(m)} for i, m in enumerate(items)]
-    items = _indexed(flat, "gen_ai.completion.")
+    items = indexed_items(flat, "gen_ai.completion.")
     if items:
         out = []
         for i, m in enumerate(items):
@@ -392,7 +399,7 @@ def _genai_message(message: Any) -> dict[str, Any]:
     parts = parts if isinstance(parts, list) else []
     out: dict[str, Any] = {"role": message.get("role"), "content": _parts_text(parts)}
     calls = [{"id": p.get("id"), "type": "function",
-              "function": {"name": p.get("name"), "arguments": _json_text(p.get("arguments"))}}
+              "function": {"name": p.get("name"), "arguments": json_arguments(p.get("arguments"))}}
              for p in parts if isinstance(p, Mapping) and p.get("type") == "tool_call"]
     if calls:
         out["tool_calls"] = calls
@@ -405,7 +412,7 @@ def _genai_message(message: Any) -> dict[str, Any]:
         out["tool_call_id"] = p.get("id")
         if out["content"] is None:
             # The schema names it `response`; the registry's own example says `result`.
-            out["content"] = _json_text(p.get("response", p.get("result")))
+            out["content"] = json_arguments(p.get("response", p.get("result")))
     if message.get("name") is not None:
         out["name"] = message["name"]
     return out
@@ -424,11 +431,11 @@ def _parts_text(parts: Iterable[Any]) -> str | None:
 def _openinference_message(flat: dict[str, Any]) -> dict[str, Any]:
     content = flat.get("message.content")
     if content is None:
-        parts = _indexed(flat, "message.contents.")
+        parts = indexed_items(flat, "message.contents.")
         texts = [p["message_content.text"] for p in parts if isinstance(p.get("message_content.text"), str)]
         content = "\n".join(texts) if texts else None
     out: dict[str, Any] = {"role": flat.get("message.role"), "content": content}
-    calls = _indexed(flat, "message.tool_calls.")
+    calls = indexed_items(flat, "message.tool_calls.")
     if calls:
         out["tool_calls"] = [{"id": c.get("tool_call.id"), "type": "function",
                               "function": {"name": c.get("tool_call.function.name"),
@@ -443,7 +450,7 @@ def _openinference_message(flat: dict[str, Any]) -> dict[str, Any]:
 
 def _traceloop_message(flat: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"role": flat.get("role"), "content": flat.get("content")}
-    calls = _indexed(flat, "tool_calls.")
+    calls = indexed_items(flat, "tool_calls.")
     if calls:
         out["tool_calls"] = [{"id": c.get("id"), "type": "function",
                               "function": {"name": c.get("name"), "arguments": c.get("arguments")}}
@@ -483,19 +490,19 @@ def _unwrap_call(value: Any) -> Any:
 
 def _documents(attrs: dict[str, Any], flat: dict[str, Any],
                events: Sequence[tuple[str, Mapping[str, Any]]]) -> list[Document] | None:
-    items = _indexed(flat, "retrieval.documents.")
+    items = indexed_items(flat, "retrieval.documents.")
     if items:
         return [_document(d.get("document.content"), d.get("document.metadata")) for d in items]
     if "gen_ai.retrieval.documents" in attrs:
         docs = []
-        for d in _json_list(attrs["gen_ai.retrieval.documents"]):
+        for d in json_items(attrs["gen_ai.retrieval.documents"]):
             if isinstance(d, Mapping):
                 content = next((d[k] for k in ("content", "text", "page_content") if k in d), None)
                 docs.append(_document(content, d.get("metadata")))
         return docs
     # Traceloop's LangChain retriever: `{"documents": [<LangChain Document>, ...]}` as its output.
     if "traceloop.entity.output" in attrs:
-        output = _unwrap_call(_strict_json(attrs["traceloop.entity.output"]))
+        output = _unwrap_call(strict_json(attrs["traceloop.entity.output"]))
         if isinstance(output, Mapping):
             output = output.get("documents")
         if isinstance(output, list) and all(isinstance(d, Mapping) for d in output):
@@ -518,7 +525,7 @@ def _document(content: Any, metadata: Any) -> Document:
     """A retrieved document; its `doc_uri` comes from its metadata only. A document's id names the
     chunk in its store (a UUID, a row number), not where the text came from, so it is never
     taken as a URI."""
-    meta = _json_value(metadata)
+    meta = loose_json(metadata)
     uri = None
     if isinstance(meta, Mapping):
         uri = next((meta[k] for k in DOC_URI_KEYS if meta.get(k) not in (None, "")), None)
@@ -529,7 +536,7 @@ def _document(content: Any, metadata: Any) -> Document:
 def _token_usage(attrs: Mapping[str, Any]) -> TokenUsage | None:
     mlflow = attrs.get("mlflow.chat.tokenUsage")
     if mlflow is not None:
-        usage = _strict_json(mlflow)
+        usage = strict_json(mlflow)
         if isinstance(usage, Mapping):
             return TokenUsage(_int(usage.get("input_tokens")), _int(usage.get("output_tokens")),
                               _int(usage.get("total_tokens"))).with_total()
@@ -573,182 +580,4 @@ def _exception(events: Sequence[tuple[str, Mapping[str, Any]]]) -> str | None:
                 return f"{etype}: {message}"
             if etype or message:
                 return str(etype or message)
-    return None
-
-
-# --- helpers ---------------------------------------------------------------------------------------
-
-
-def _json_value(value: Any) -> Any:
-    """A JSON object/array string decoded; plain text and structured values as they are."""
-    if isinstance(value, str) and value[:1] in ("{", "["):
-        try:
-            return orjson.loads(value)
-        except orjson.JSONDecodeError:
-            return value
-    return value
-
-
-def _strict_json(value: Any) -> Any:
-    """A value its writer always JSON-encodes, decoded: MLflow's own attributes (`"\\"AGENT\\""`,
-    `"20"`), Traceloop's `json.dumps`-ed entity input/output. Text that is not JSON stays text."""
-    if isinstance(value, str):
-        try:
-            return orjson.loads(value)
-        except orjson.JSONDecodeError:
-            return value
-    return value
-
-
-def _json_list(value: Any) -> list[Any]:
-    value = _json_value(value)
-    if isinstance(value, list):
-        return value
-    return [] if value is None else [value]
-
-
-def _json_text(value: Any) -> Any:
-    """Tool-call arguments as OpenAI states them: a JSON string."""
-    if value is None or isinstance(value, str):
-        return value
-    return orjson.dumps(value).decode()
-
-
-def _indexed(flat: Mapping[str, Any], prefix: str) -> list[dict[str, Any]]:
-    """`{prefix}N.rest` keys -> a list (by N) of `{rest: value}` dicts; non-numeric N is skipped
-    (`gen_ai.prompt.name` is not a prompt message)."""
-    items: dict[int, dict[str, Any]] = {}
-    cut = len(prefix)
-    for key, value in flat.items():
-        if not key.startswith(prefix):
-            continue
-        index, _, rest = key[cut:].partition(".")
-        if not rest or not index.isdigit():
-            continue
-        items.setdefault(int(index), {})[rest] = value
-    return [items[i] for i in sorted(items)]
-
-
-# --- session and user identity ---------------------------------------------------------------------
-# Which conversation a request belongs to and who made it, as each convention states it (see
-# ../shared/notes/sessions.md). MLflow keeps them in trace metadata; OpenTelemetry producers put them
-# on spans, usually on every span of the trace (OpenInference and Traceloop propagate them as
-# context attributes; MLflow's OTLP export sets them on the root).
-
-MLFLOW_SESSION: Final = "mlflow.trace.session"
-MLFLOW_USER: Final = "mlflow.trace.user"
-# By priority on one span: OpenInference / MLflow OTLP export, GenAI semantic conventions, Traceloop
-# association properties (the keys apps pass to `Traceloop.set_association_properties`).
-SESSION_ATTRIBUTES: Final = ("session.id", "gen_ai.conversation.id",
-                             "traceloop.association.properties.session_id")
-USER_ATTRIBUTES: Final = ("user.id", "traceloop.association.properties.user_id")
-# The column of an agent-evaluation or inference-log row.
-SESSION_COLUMN: Final = "session_id"
-USER_COLUMN: Final = "user_id"
-
-
-def identity(value: Any) -> str | None:
-    """A session or user id as a record holds it: a non-blank string as it is, an integer or a
-    float as its decimal text (some producers count conversations), anything else (an empty or
-    blank string, a bool, a list, an object) None: it identifies nothing and is never guessed at."""
-    kind = type(value)
-    if kind is str:
-        return value if value and not value.isspace() else None
-    if kind is int or (kind is float and math.isfinite(value)):
-        return str(value)
-    return None
-
-
-def _span_identity(span: Span, keys: tuple[str, ...]) -> str | None:
-    attrs = span.attributes
-    for key in keys:
-        if key in attrs:
-            found = identity(attrs[key])
-            if found is not None:
-                return found
-    return None
-
-
-def spans_identity(spans: Sequence[Span], root: Span | None,
-                   keys: tuple[str, ...] = SESSION_ATTRIBUTES) -> str | None:
-    """The id the attributes `keys` (by priority on one span) state on the spans of one trace: the
-    root's when it states one, else the first span's (in the order given: start order, so the app
-    span below a non-GenAI root comes before the spans it made) that does; None when none does.
-    Producers that propagate the id as a context attribute put it on every span, MLflow's OTLP
-    export on the root only, an instrumentation below an uninstrumented root on its own spans."""
-    if root is not None:
-        found = _span_identity(root, keys)
-        if found is not None:
-            return found
-    for span in spans:
-        found = _span_identity(span, keys)
-        if found is not None:
-            return found
-    return None
-
-
-# --- model names and stated cost ------------------------------------------------------------------
-# Which model a model-call span called, by priority: the model that answered over the one asked for
-# (a dated snapshot prices right), OTel GenAI / Traceloop, OpenInference, MLflow 3, older Traceloop.
-MODEL_ATTRIBUTES: Final = ("gen_ai.response.model", "gen_ai.request.model", "llm.model_name",
-                           "mlflow.llm.model", "llm.response.model", "llm.request.model")
-# The cost a span states: MLflow 3's JSON `{"input_cost", "output_cost", "total_cost"}` (USD, priced
-# by MLflow with LiteLLM's map), OpenInference's `llm.cost.*` (USD), and the `gen_ai.usage.cost`
-# total some GenAI producers (Langfuse's SDKs) write.
-MLFLOW_SPAN_COST: Final = "mlflow.llm.cost"
-OPENINFERENCE_COST: Final = ("llm.cost.prompt", "llm.cost.completion", "llm.cost.total")
-GENAI_COST: Final = "gen_ai.usage.cost"
-# MLflow's trace-level roll-up of its spans' costs, in `info.trace_metadata`.
-MLFLOW_TRACE_COST: Final = "mlflow.trace.cost"
-
-
-def span_model(attrs: Mapping[str, Any]) -> str | None:
-    """The model a span names (`MODEL_ATTRIBUTES`), or None; MLflow's JSON-encoded string is decoded."""
-    for key in MODEL_ATTRIBUTES:
-        value = attrs.get(key)
-        if type(value) is str and value:
-            if value[0] == '"':
-                value = _strict_json(value)
-                if type(value) is not str or not value:
-                    continue
-            return value
-    return None
-
-
-def _cost_number(value: Any) -> float | None:
-    """A stated cost as a float; NaN for a value that is there but is no number (counted later)."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        return math.nan
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return math.nan
-    return math.nan
-
-
-def stated_cost_parts(value: Any) -> tuple[float | None, float | None, float | None] | None:
-    """(input, output, total) of an MLflow cost object (a dict or its JSON text); None when absent or
-    not an object. Values are as stated: checking them (negative, absurd) is the pricer's job."""
-    value = _strict_json(value)
-    if not isinstance(value, Mapping):
-        return None if value is None else (None, None, math.nan)
-    parts = (_cost_number(value.get("input_cost")), _cost_number(value.get("output_cost")),
-             _cost_number(value.get("total_cost")))
-    return None if parts == (None, None, None) else parts
-
-
-def span_cost(attrs: Mapping[str, Any]) -> tuple[float | None, float | None, float | None] | None:
-    """(input, output, total) cost a span states under any convention, or None."""
-    if MLFLOW_SPAN_COST in attrs:
-        return stated_cost_parts(attrs[MLFLOW_SPAN_COST])
-    prompt, completion, total = (attrs.get(k) for k in OPENINFERENCE_COST)
-    if prompt is not None or completion is not None or total is not None:
-        return _cost_number(prompt), _cost_number(completion), _cost_number(total)
-    if GENAI_COST in attrs:
-        return None, None, _cost_number(attrs[GENAI_COST])
     return None

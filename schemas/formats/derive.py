@@ -9,7 +9,10 @@ except where MLflow's answer is not what a judge should see (a Python `repr` of 
 dump of the whole chat history, a blank " " for a missing value). Those differences are listed in
 the README ("Where tracejudge deliberately differs from MLflow") and each has its own test.
 
-A field that cannot be derived is None, never guessed.
+A field that cannot be derived is None, never guessed. The request and response text of a payload
+are read by `derive_text`, the token usage and cost of the model calls by `derive_usage`; this module
+reads the rest (retrieved documents, tool calls, the app span, failure, latency, expectations) and
+makes the record.
 """
 
 from __future__ import annotations
@@ -17,21 +20,37 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from operator import attrgetter
 from typing import Any, TypeVar
 
 import msgspec
 import orjson
 
-from tracejudge.schemas.formats.conventions import MLFLOW_TRACE_COST, span_cost, span_model, stated_cost_parts
+from tracejudge.schemas.formats.derive_text import (
+    answer_in,
+    json_text,
+    question_in,
+    request_text,
+    response_text,
+)
+from tracejudge.schemas.formats.derive_usage import (
+    ModelCall,
+    has_negative_tokens,
+    model_calls,
+    model_usage_and_cost,
+    one_model_calls,
+    stated_cost,
+    usage_spans,
+    usage_sum,
+)
+from tracejudge.schemas.formats.model_cost import MLFLOW_TRACE_COST, stated_cost_parts
 from tracejudge.schemas.record import (
     END_BEFORE_START,
     NEGATIVE_DURATION,
     NEGATIVE_TOKENS,
     NON_FINITE,
     PARENT_CYCLE,
-    Cost,
     EvalRecord,
     ToolCall,
     add_warning,
@@ -39,243 +58,37 @@ from tracejudge.schemas.record import (
 from tracejudge.schemas.trace import Document, Span, SpanKind, SpanStatus, TokenUsage, Trace
 
 __all__ = [
+    "DOCUMENT_TEXT_KEYS",
     "HTTP_STATUS_KEYS",
+    "apply_expectations",
     "derive",
     "derived_record",
     "documents_from_output",
-    "has_negative_tokens",
+    "expected_documents",
     "has_parent_cycle",
-    "json_text",
     "merge",
-    "model_calls",
-    "model_usage_and_cost",
-    "request_text",
-    "response_text",
+    "requested_tool_calls",
+    "root_span",
     "stated_latency",
-    "sum_token_usage",
     "top_level_retrievers",
-    "usage_spans",
-    "usage_walk",
 ]
 
 T = TypeVar("T")
-U = TypeVar("U")
 
 # Enum member lookups cost ~140 ns each on Python 3.11; per-span loops use these.
 _TOOL, _RETRIEVER, _ERROR = SpanKind.TOOL, SpanKind.RETRIEVER, SpanStatus.ERROR
 # Sort key for spans in time order: C-level attribute access, cheaper than a Python function.
 _start = attrgetter("start_ns")
+_span_id, _parent_id = attrgetter("span_id"), attrgetter("parent_id")
 
-# Keys under which an app's input dict carries the user's question, in order of preference.
-# `input_args`: OpenInference's DSPy instrumentation wraps a module's named arguments in it.
-QUESTION_KEYS = ("query", "question", "input", "prompt", "request", "message", "user_input", "inputs",
-                 "input_args")
-# Keys under which an output dict carries the answer.
-ANSWER_KEYS = ("content", "output", "answer", "response", "text", "result")
 # Document text keys, in MLflow's order (`_RETRIEVER_DOCUMENT_CONTENT_KEYS`).
 DOCUMENT_TEXT_KEYS = ("page_content", "content", "text")
-# Nested payloads are unwrapped at most this deep: inputs are untrusted and may nest arbitrarily.
-_MAX_DEPTH = 4
 # An HTTP status recorded on the root span (OTel semantic conventions, both generations).
 HTTP_STATUS_KEYS = ("http.response.status_code", "http.status_code")
 
 
-def json_text(value: Any) -> str:
-    """Compact UTF-8 JSON text; objects orjson cannot write are written with `str()`."""
-    return orjson.dumps(value, default=str).decode()
-
-
 # --------------------------------------------------------------------------------------------
-# request / response text
-
-
-def _text_of_content(content: Any) -> str | None:
-    """The text of a chat message's `content`: a string, or the text parts of a multi-part list."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = [p.get("text") for p in content
-                 if isinstance(p, dict) and p.get("type") in ("text", "input_text", "output_text")]
-        texts = [p for p in parts if isinstance(p, str)]
-        if texts:
-            return "\n".join(texts)
-    return None
-
-
-# LangChain's message types -> chat roles: `{"type": "human", ...}` (`message.model_dump()`), its
-# `{"type": "ai", "data": {...}}` form (`messages_to_dict`) and the serialized
-# `{"lc": 1, "type": "constructor", "id": [..., "AIMessage"], "kwargs": {...}}` form.
-_LANGCHAIN_ROLES = {
-    "human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "tool",
-    "HumanMessage": "user", "HumanMessageChunk": "user", "AIMessage": "assistant",
-    "AIMessageChunk": "assistant", "SystemMessage": "system", "ToolMessage": "tool",
-    "FunctionMessage": "tool", "ChatMessage": None,
-}
-
-
-def _chat_message(value: Any) -> dict[str, Any] | None:
-    """`value` as an OpenAI-style `{role, content, ...}` message, or None when it is none.
-
-    OpenAI's shape is taken as it is; LangChain's three dict forms are unwrapped."""
-    if type(value) is not dict:
-        return None
-    if "role" in value:
-        return value
-    kind = value.get("type")
-    if kind == "constructor" and value.get("lc") == 1:
-        ids, kwargs = value.get("id"), value.get("kwargs")
-        if isinstance(ids, list) and ids and isinstance(kwargs, dict):
-            role = _LANGCHAIN_ROLES.get(ids[-1]) or kwargs.get("role")
-            return {**kwargs, "role": role} if role else None
-        return None
-    if isinstance(kind, str) and kind in _LANGCHAIN_ROLES:
-        data = value.get("data")
-        body = data if isinstance(data, dict) and "content" in data else value
-        if "content" in body:
-            role = _LANGCHAIN_ROLES[kind] or body.get("role")
-            return {**body, "role": role} if role else None
-    return None
-
-
-def _is_message_list(value: Any) -> bool:
-    return isinstance(value, list) and len(value) > 0 and _chat_message(value[-1]) is not None
-
-
-def _last_message_text(messages: list[Any], role: str) -> str | None:
-    for item in reversed(messages):
-        message = _chat_message(item)
-        if message is not None and message.get("role") == role:
-            text = _text_of_content(message.get("content"))
-            if text is not None:
-                return text
-    return None
-
-
-def _question(value: Any, depth: int) -> str | None:
-    if isinstance(value, str):
-        return value
-    if depth > _MAX_DEPTH:
-        return None
-    if _is_message_list(value):
-        return _last_message_text(value, "user")
-    if not isinstance(value, dict):
-        return None
-    messages = value.get("messages")
-    if _is_message_list(messages):
-        text = _last_message_text(messages, "user")
-        if text is not None:
-            return text
-    for key in QUESTION_KEYS:
-        inner = value.get(key)
-        if inner is None:
-            continue
-        if isinstance(inner, str):
-            return inner
-        text = _question(inner, depth + 1)
-        if text is not None:
-            return text
-    # A serving request in `dataframe_records` form holds one row per request.
-    rows = value.get("dataframe_records")
-    if isinstance(rows, list) and len(rows) == 1:
-        return _question(rows[0], depth + 1)
-    # A traced function with one string parameter: whatever it is called, that string is the question.
-    if len(value) == 1:
-        (only,) = value.values()
-        if isinstance(only, str):
-            return only
-    return None
-
-
-def request_text(value: Any) -> str | None:
-    """The user's question in a request payload.
-
-    A plain string; the last user message of a chat (`messages`, or a Responses-API `input` list);
-    the `query`/`question`/`input`/`prompt`/… string field of a dict (unwrapping a nested request);
-    the only string field of a one-field dict; else the JSON text of the payload. None for None.
-    """
-    if value is None:
-        return None
-    text = _question(value, 0)
-    return text if text is not None else json_text(value)
-
-
-def _answer(value: Any, depth: int) -> str | None:
-    if isinstance(value, str):
-        return value
-    if depth > _MAX_DEPTH:
-        return None
-    if isinstance(value, list):
-        if _is_message_list(value):
-            return _responses_output_text(value) or _last_message_text(value, "assistant")
-        # A pyfunc model wraps its one prediction in a list.
-        return _answer(value[0], depth + 1) if len(value) == 1 else None
-    if not isinstance(value, dict):
-        return None
-    choices = value.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        first = choices[0]
-        message = first.get("message")
-        if isinstance(message, dict):
-            text = _text_of_content(message.get("content"))
-            if text is not None:
-                return text
-        if isinstance(first.get("text"), str):  # legacy completions
-            return first["text"]
-    messages = value.get("messages")
-    if _is_message_list(messages):
-        text = _last_message_text(messages, "assistant")
-        if text is None:
-            last = _chat_message(messages[-1])
-            if last is not None and isinstance(last.get("content"), str):
-                text = last["content"]
-        if text is not None:
-            return text
-    message = _chat_message(value)
-    if message is not None:
-        # One message: a LangChain AIMessage, or `{"role": "assistant", "content": ...}`.
-        text = _text_of_content(message.get("content"))
-        if text is not None:
-            return text
-    output = value.get("output")
-    if isinstance(output, list):
-        text = _responses_output_text(output)
-        if text is not None:
-            return text
-    for key in ANSWER_KEYS:
-        inner = value.get(key)
-        if isinstance(inner, str):
-            return inner
-    predictions = value.get("predictions")
-    if isinstance(predictions, list) and len(predictions) == 1:
-        return _answer(predictions[0], depth + 1)
-    return None
-
-
-def _responses_output_text(output: list[Any]) -> str | None:
-    """The assistant text of an OpenAI Responses-API `output` list (`type == "message"` items)."""
-    for item in reversed(output):
-        if isinstance(item, dict) and item.get("type") == "message" and item.get("role") == "assistant":
-            text = _text_of_content(item.get("content"))
-            if text is not None:
-                return text
-    return None
-
-
-def response_text(value: Any) -> str | None:
-    """The answer in a response payload.
-
-    A plain string; `choices[0].message.content` of a chat completion; the last assistant message of
-    `messages`; the assistant text of a Responses-API `output`; the `content`/`output`/`answer`/…
-    string field of a dict; the one element of a one-element list; else the JSON text. None for None.
-    """
-    if value is None:
-        return None
-    text = _answer(value, 0)
-    return text if text is not None else json_text(value)
-
-
-# --------------------------------------------------------------------------------------------
-# retrieved context, trajectory, tokens
+# retrieved context and trajectory
 
 
 def _document(chunk: Any) -> Document | None:
@@ -349,142 +162,6 @@ def top_level_retrievers(spans: list[Span]) -> list[Span]:
         if not nested:
             result.append(span)
     return result
-
-
-def _add(a: int | None, b: int | None) -> int | None:
-    if a is None:
-        return b
-    return a if b is None else a + b
-
-
-def usage_spans(spans: list[Span]) -> list[Span]:
-    """The spans whose usage counts, each model call once: a depth-first walk from the roots that
-    does not descend below a span with its own usage, so a wrapper span that rolls up its inner
-    model call's usage is counted and the inner call is not (MLflow's `aggregate_usage_from_spans`
-    does the same)."""
-    return [span for span, _ in usage_walk(spans, _span_id, _parent_id, _token_usage)]
-
-
-_span_id, _parent_id, _token_usage = attrgetter("span_id"), attrgetter("parent_id"), attrgetter("token_usage")
-
-
-def usage_walk(spans: Sequence[T], span_id: Callable[[T], Any], parent_id: Callable[[T], Any],
-               usage: Callable[[T], U | None]) -> list[tuple[T, U]]:
-    """`usage_spans`' walk over spans of any shape (the MLflow wire reader's too): each counted span
-    with its usage, in the walk's order. A span is a root when it has no parent, a parent no span
-    has, or itself as parent."""
-    ids = {span_id(s) for s in spans}
-    children: dict[Any, list[T]] = {}
-    stack: list[T] = []
-    for span in spans:
-        parent = parent_id(span)
-        if parent and parent in ids and parent != span_id(span):
-            children.setdefault(parent, []).append(span)
-        else:
-            stack.append(span)
-    counted: list[tuple[T, U]] = []
-    seen: set[int] = set()
-    while stack:
-        span = stack.pop()
-        if id(span) in seen:  # duplicate span ids can make a node reachable twice
-            continue
-        seen.add(id(span))
-        stated = usage(span)
-        if stated is not None:
-            counted.append((span, stated))
-            continue
-        stack.extend(children.get(span_id(span), ()))
-    return counted
-
-
-def _usage_sum(counted: list[Span]) -> TokenUsage | None:
-    total: TokenUsage | None = None
-    for span in counted:
-        usage = span.token_usage
-        if usage is None:
-            continue
-        if total is None:
-            total = TokenUsage(usage.input, usage.output, usage.total)
-        else:
-            total = TokenUsage(_add(total.input, usage.input), _add(total.output, usage.output),
-                               _add(total.total, usage.total))
-    return total.with_total() if total is not None else None
-
-
-def sum_token_usage(spans: list[Span]) -> TokenUsage | None:
-    """Usage summed over the spans that state it, each model call counted once (`usage_spans`)."""
-    return _usage_sum(usage_spans(spans))
-
-
-# One counted model call as cost reads it: (model, usage, stated cost (input, output, total)).
-CostParts = tuple[float | None, float | None, float | None]
-ModelCall = tuple[str | None, TokenUsage | None, CostParts | None]
-
-
-def model_calls(counted: list[Span]) -> list[ModelCall]:
-    """The model, usage and stated cost of each counted model call (`usage_spans`)."""
-    return [(span_model(attrs), span.token_usage, span_cost(attrs)) if (attrs := span.attributes)
-            else (None, span.token_usage, None) for span in counted]
-
-
-def one_model_calls(calls: list[ModelCall], tokens: TokenUsage | None) -> list[ModelCall]:
-    """For a trace that states its usage (`tokens`): when every counted call names the same model and
-    none states a cost, that model's usage is the trace's (MLflow's trace-level roll-up sums the same
-    calls), one call; else the calls as they are. Both MLflow readers apply it, so they agree."""
-    model = calls[0][0]
-    for m, _, stated in calls:
-        if m != model or stated is not None:
-            return calls
-    return [(model, tokens, None)]
-
-
-def model_usage_and_cost(calls: list[ModelCall]) -> tuple[dict[str, TokenUsage] | None, Cost | None]:
-    """Per-model usage of the counted model calls (`model_calls`) that name their model, and the
-    cost they state (summed, source "stated") when every one of them states one: MLflow's
-    trace-level roll-up can be a partial sum under asynchronous logging, its spans' costs are not.
-    Values are as stated; `tracejudge.metrics.cost` checks them."""
-    if len(calls) == 1:  # the usual trace: one model call
-        model, usage, stated = calls[0]
-        return ({model: usage.with_total()} if model is not None and usage is not None else None,
-                None if stated is None else _stated(stated))
-    sums: dict[str, list[int | None]] | None = None
-    costs: list[CostParts] = []
-    every_cost = True
-    for model, usage, stated in calls:
-        if model is not None and usage is not None:
-            i, o, t = usage.input, usage.output, usage.total
-            if t is None and i is not None and o is not None:
-                t = i + o
-            if sums is None:
-                sums = {}
-            had = sums.get(model)
-            if had is None:
-                sums[model] = [i, o, t]
-            else:
-                had[0], had[1], had[2] = _add(had[0], i), _add(had[1], o), _add(had[2], t)
-        if stated is None:
-            every_cost = False
-        elif every_cost:
-            costs.append(stated)
-    by_model = None if sums is None else {m: TokenUsage(*u) for m, u in sums.items()}
-    if not costs or not every_cost:
-        return by_model, None
-    if len(costs) == 1:
-        return by_model, _stated(costs[0])
-    # fsum: the same total whatever order a reader met the spans in.
-    return by_model, _stated((_fsum([c[0] for c in costs]), _fsum([c[1] for c in costs]),
-                              _fsum([c[2] for c in costs])))
-
-
-def _fsum(values: list[float | None]) -> float | None:
-    return None if None in values else math.fsum(values)  # type: ignore[arg-type]
-
-
-def _stated(parts: tuple[float | None, float | None, float | None]) -> Cost:
-    inp, out, total = parts
-    if total is None and inp is not None and out is not None:
-        total = inp + out
-    return Cost(inp, out, total, source="stated")
 
 
 # --------------------------------------------------------------------------------------------
@@ -681,13 +358,13 @@ def _request(root: Span | None, below: _Below | None) -> str | None:
         return request_text(root.inputs) if root is not None else None
     app = below.app
     if app is not None and app.inputs is not None:
-        text = _question(app.inputs, 0)
+        text = question_in(app.inputs, 0)
         if text is not None:
             return text
     # The app span holds no question: the first model call's last user message (a framework's
     # helper marked as a model call, LlamaIndex's `_prepare_chat_with_tools`, may state none).
     for call in below.model_calls:
-        text = _question(call.inputs, 0) if call.inputs is not None else None
+        text = question_in(call.inputs, 0) if call.inputs is not None else None
         if text is not None and not _is_repr(text):
             return text
     return request_text(app.inputs) if app is not None else None
@@ -698,13 +375,13 @@ def _response(root: Span | None, below: _Below | None, failed: bool | None) -> s
         return response_text(root.outputs) if root is not None else None
     app = below.app
     if app is not None and app.outputs is not None:
-        text = _answer(app.outputs, 0)
+        text = answer_in(app.outputs, 0)
         if text is not None and not _is_repr(text):
             return text
     if not failed and below.model_calls:
         # The app span holds no answer: the assistant text of the model call that ended last.
         last = max(below.model_calls, key=_end)
-        text = _answer(last.outputs, 0) if last.outputs is not None else None
+        text = answer_in(last.outputs, 0) if last.outputs is not None else None
         if text is not None:
             return text
     return response_text(app.outputs) if app is not None else None
@@ -812,12 +489,6 @@ def has_parent_cycle(spans: Iterable[T], span_id: Callable[[T], Any], parent_id:
     return False
 
 
-def has_negative_tokens(tokens: TokenUsage) -> bool:
-    """A token count below zero: the usage is set aside (`NEGATIVE_TOKENS`) rather than summed."""
-    inp, out, total = tokens.input, tokens.output, tokens.total
-    return (inp is not None and inp < 0) or (out is not None and out < 0) or (total is not None and total < 0)
-
-
 def derive(trace: Trace) -> EvalRecord:
     """Everything the trace lets us derive about the request it recorded."""
     spans = trace.spans
@@ -844,7 +515,7 @@ def derive(trace: Trace) -> EvalRecord:
     # The model calls whose usage counts: only when some span states usage (most MLflow traces'
     # do, with the trace's own total beside them; OTLP traces state no total).
     counted = usage_spans(spans) if any(s.token_usage is not None for s in spans) else []
-    tokens = trace.token_usage.with_total() if trace.token_usage is not None else _usage_sum(counted)
+    tokens = trace.token_usage.with_total() if trace.token_usage is not None else usage_sum(counted)
     calls = model_calls(counted) if counted else None
     if calls and trace.token_usage is not None:
         calls = one_model_calls(calls, tokens)
@@ -920,7 +591,7 @@ def derived_record(trace: Trace, root: Span | None, retrieved: list[Document] | 
     if record.cost is None and MLFLOW_TRACE_COST in trace.metadata:
         parts = stated_cost_parts(trace.metadata[MLFLOW_TRACE_COST])
         if parts is not None:
-            record.cost = _stated(parts)
+            record.cost = stated_cost(parts)
     apply_expectations(record, trace.expectations)
     return record
 

@@ -18,18 +18,13 @@ import orjson
 
 from tracejudge.schemas import errors
 from tracejudge.schemas.errors import RecordError
-from tracejudge.schemas.formats.conventions import identity
-from tracejudge.schemas.formats.derive import (
-    derive,
-    has_negative_tokens,
-    merge,
-    request_text,
-    response_text,
-    stated_latency,
-)
+from tracejudge.schemas.formats.derive import derive, merge, stated_latency
+from tracejudge.schemas.formats.derive_text import request_text, response_text
+from tracejudge.schemas.formats.derive_usage import has_negative_tokens
 from tracejudge.schemas.formats.inputs import InferenceLogRow, ValidationError, describe, time_ms
 from tracejudge.schemas.formats.mlflow import parse_trace, tagged_identity
 from tracejudge.schemas.formats.mlflow_wire import parse_trace_json
+from tracejudge.schemas.formats.session_identity import identity
 from tracejudge.schemas.record import NEGATIVE_TOKENS, EvalRecord, add_warning, python_json
 from tracejudge.schemas.trace import TokenUsage
 

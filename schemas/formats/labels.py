@@ -23,9 +23,10 @@ from typing import IO, Any
 
 import orjson
 
-from tracejudge.consumer.commands.files import InputError, Oversized, diagnose_unreadable, read_lines
 from tracejudge.schemas import errors
-from tracejudge.schemas.formats.mlflow import human_feedback
+from tracejudge.schemas.errors import InputError, LabelsError
+from tracejudge.schemas.formats.input_files import Oversized, diagnose_unreadable, read_lines
+from tracejudge.schemas.formats.mlflow_rules import human_feedback
 from tracejudge.schemas.record import EvalRecord, HumanLabel
 
 __all__ = ["LabelSet", "LabelsError", "label_passes", "normalise_id"]
@@ -36,10 +37,6 @@ _FAIL = {"fail", "failed", "no", "false", "bad", "incorrect"}
 MAX_REPORTED = 50
 # The longest labels line read (a calibration kit's line is a whole record): the stream's default.
 DEFAULT_MAX_LINE_BYTES = 4 * 1024 * 1024
-
-
-class LabelsError(Exception):
-    """A labels source that cannot be read at all (a missing file, an unreachable server)."""
 
 
 def label_passes(value: Any) -> bool | None:
@@ -99,7 +96,7 @@ class LabelSet:
 
     # ------------------------------------------------------------------------------ sources
     def read_jsonl(self, stream: IO[bytes], name: str, max_bytes: int = DEFAULT_MAX_LINE_BYTES) -> int:
-        """Read a labels file (opened with `files.open_input`: .gz, byte-order mark); returns how many
+        """Read a labels file (opened with `input_files.open_input`: .gz, byte-order mark); returns how many
         labels it added. A file none of whose lines is a label at all (a CSV file, pretty-printed
         JSON, a records file without label keys) is the wrong file, not a file of bad labels:
         `LabelsError` names the likely cause. So is a file that cannot be read to its end."""

@@ -33,41 +33,39 @@ import orjson
 
 from tracejudge.schemas import errors
 from tracejudge.schemas.errors import RecordError
-from tracejudge.schemas.formats.conventions import span_cost, span_model
 from tracejudge.schemas.formats.derive import (
     HTTP_STATUS_KEYS,
-    ModelCall,
     derive,
     derived_record,
     documents_from_output,
     has_parent_cycle,
-    one_model_calls,
-    usage_walk,
 )
-from tracejudge.schemas.formats.mlflow import (
-    _KINDS,
-    _RAW_KINDS,
-    _RETRIEVER,
-    _STATUS,
-    _TOOL,
-    _UNKNOWN,
-    _UNSET,
+from tracejudge.schemas.formats.derive_usage import ModelCall, one_model_calls, usage_walk
+from tracejudge.schemas.formats.mlflow import parse_trace
+from tracejudge.schemas.formats.mlflow_rules import (
     CHAT_USAGE,
+    KINDS,
     LLM_COST,
     LLM_MODEL,
+    RAW_KINDS,
+    RETRIEVER,
     SPAN_INPUTS,
     SPAN_OUTPUTS,
     SPAN_TYPE,
+    STATUS,
+    TOOL,
     TRACE_USAGE,
-    _attr,
-    _build_trace,
-    _check_events,
-    _exception,
-    _Malformed,
-    _tool_name,
-    _usage,
-    parse_trace,
+    UNKNOWN,
+    UNSET,
+    Malformed,
+    attr_value,
+    build_trace,
+    check_events,
+    exception_text,
+    read_usage,
+    tool_name,
 )
+from tracejudge.schemas.formats.model_cost import span_cost, span_model
 from tracejudge.schemas.record import EvalRecord, ToolCall
 from tracejudge.schemas.trace import Document, Span, SpanKind, TokenUsage, Trace
 
@@ -177,7 +175,7 @@ _STRING_DECODER = msgspec.json.Decoder(str)
 
 
 class _WireUsage(msgspec.Struct, gc=False):
-    # `mlflow.chat.tokenUsage` as MLflow writes it; anything else is read by `_usage`.
+    # `mlflow.chat.tokenUsage` as MLflow writes it; anything else is read by `read_usage`.
     input_tokens: int | None = None
     output_tokens: int | None = None
     total_tokens: int | None = None
@@ -186,7 +184,7 @@ class _WireUsage(msgspec.Struct, gc=False):
 _USAGE_DECODER = msgspec.json.Decoder(_WireUsage)
 
 # What the wire structs reject, or what the checks after them raise: the general reader decides.
-_NOT_READ = (msgspec.DecodeError, UnicodeError, _NotCanonical, _Malformed, KeyError, TypeError, ValueError,
+_NOT_READ = (msgspec.DecodeError, UnicodeError, _NotCanonical, Malformed, KeyError, TypeError, ValueError,
              AttributeError, IndexError, OverflowError, RecursionError)
 
 
@@ -195,20 +193,20 @@ _NOT_READ = (msgspec.DecodeError, UnicodeError, _NotCanonical, _Malformed, KeyEr
 
 
 def _raw_attr(raw: msgspec.Raw) -> Any:
-    """`_attr` of an attribute's JSON text: the JSON string, then the JSON inside it."""
+    """`attr_value` of an attribute's JSON text: the JSON string, then the JSON inside it."""
     try:
         text = _STRING_DECODER.decode(raw)
     except msgspec.ValidationError:  # not a string: a value set directly on the span, kept as is
         return orjson.loads(memoryview(raw))
-    return _attr(text)
+    return attr_value(text)
 
 
 def _span_usage(raw: msgspec.Raw) -> TokenUsage | None:
-    """`_usage(_raw_attr(raw))`, typed by msgspec for the shape MLflow writes (integers or null)."""
+    """`read_usage(_raw_attr(raw))`, typed by msgspec for the shape MLflow writes (integers or null)."""
     try:
         wire = _USAGE_DECODER.decode(_STRING_DECODER.decode(raw))
     except msgspec.DecodeError:
-        return _usage(_raw_attr(raw))
+        return read_usage(_raw_attr(raw))
     return _wire_usage(wire)
 
 
@@ -220,7 +218,7 @@ def _trace_usage(metadata: dict[str, str] | None) -> TokenUsage | None:
     try:
         wire = _USAGE_DECODER.decode(stated)
     except msgspec.DecodeError:
-        return _usage(_attr(stated))
+        return read_usage(attr_value(stated))
     return _wire_usage(wire)
 
 
@@ -258,16 +256,16 @@ def _events_exception(events: msgspec.Raw) -> str | None:
     decoded = orjson.loads(memoryview(events))
     if type(decoded) is not list:
         raise _NotCanonical
-    _check_events(decoded, "time_unix_nano")
-    return _exception(decoded)
+    check_events(decoded, "time_unix_nano")
+    return exception_text(decoded)
 
 
 def _kind_of(raw: Any) -> SpanKind:
     """`mlflow.spanType` as the general reader reads it when it is not one of the usual quoted names."""
     if raw is None:
-        return _UNKNOWN
-    value = _attr(raw)
-    return _KINDS.get(value, _UNKNOWN) if type(value) is str else _UNKNOWN
+        return UNKNOWN
+    value = attr_value(raw)
+    return KINDS.get(value, UNKNOWN) if type(value) is str else UNKNOWN
 
 
 def _tool_inputs(raw: msgspec.Raw) -> Any:
@@ -289,14 +287,14 @@ def _root_span(raw: _WireSpan, kind: SpanKind, span_id: str) -> Span:
     span = Span(
         span_id, None, raw.name, raw.start_time_unix_nano,
         raw.end_time_unix_nano or None,  # MLflow reads an end time of 0 as "not ended"
-        kind, _STATUS.get(status.code, _UNSET), status.message,
+        kind, STATUS.get(status.code, UNSET), status.message,
         None if attrs.inputs is None else _raw_attr(attrs.inputs),
         None if attrs.outputs is None else _raw_attr(attrs.outputs),
         None, None if raw.events == _NO_EVENTS else _events_exception(raw.events),
     )
     span.attributes = _root_attributes(attrs)
-    if kind is _TOOL:
-        span.tool_name = _tool_name(span.inputs)
+    if kind is TOOL:
+        span.tool_name = tool_name(span.inputs)
     return span
 
 
@@ -317,7 +315,7 @@ _NO_NAME: Any = object()
 
 
 def _model_call(usage: TokenUsage, attrs: Any) -> ModelCall:
-    """A counted model call as `derive.model_calls` reads it from the general reader's span."""
+    """A counted model call as `derive_usage.model_calls` reads it from the general reader's span."""
     model_raw, cost_raw = attrs.model, attrs.cost
     model = None
     if model_raw is not None:
@@ -337,7 +335,7 @@ def _by_id(spans_raw: list[_WireSpan]) -> dict[bytes, _WireSpan]:
 
 
 def _reachable(raw: _WireSpan, by_id: dict[bytes, _WireSpan]) -> bool:
-    """Whether `derive.usage_spans`'s walk from the roots reaches `raw`: whether its chain of
+    """Whether `derive_usage.usage_spans`'s walk from the roots reaches `raw`: whether its chain of
     parents ends at a root (no parent, a parent no span has, itself as parent). False also when
     the chain loops, or runs past one span of a repeated id into a loop where another might not:
     the caller then walks the tree as `usage_spans` does."""
@@ -354,7 +352,7 @@ def _reachable(raw: _WireSpan, by_id: dict[bytes, _WireSpan]) -> bool:
 
 def _counted_calls(spans_raw: list[_WireSpan]) -> list[ModelCall]:
     """`model_calls(usage_spans(...))` of the spans as the general reader builds them, in the same
-    order (`derive.usage_walk`)."""
+    order (`derive_usage.usage_walk`)."""
     walk = usage_walk(spans_raw, _wire_span_id, _wire_parent_id, _wire_span_usage)
     return [_model_call(usage, raw.attributes) for raw, usage in walk]
 
@@ -369,9 +367,9 @@ def _wire_span_usage(raw: _WireSpan) -> TokenUsage | None:
 
 def _lean_calls(with_usage: list[_WireSpan], root_id: bytes | None,
                 spans_raw: list[_WireSpan]) -> list[ModelCall] | str | None:
-    """The counted model calls (`derive.usage_spans`) of a trace whose spans `with_usage` state
+    """The counted model calls (`derive_usage.usage_spans`) of a trace whose spans `with_usage` state
     usage. When every one of them names the same `mlflow.llm.model` and none states a cost, the
-    trace's own usage is that model's (`derive.one_model_calls`): returns the model's name (None
+    trace's own usage is that model's (`derive_usage.one_model_calls`): returns the model's name (None
     when they name none) without decoding every call's usage, which is most of this reader's work
     on a trace with many model calls; that needs one counted call, the first span stating usage
     when the walk from the roots reaches it, as it does in every tree."""
@@ -397,7 +395,7 @@ def _lean_calls(with_usage: list[_WireSpan], root_id: bytes | None,
 
 def _nested_retriever(raw: _WireSpan, by_id: dict[bytes, _WireSpan]) -> bool:
     """Whether `top_level_retrievers` leaves this RETRIEVER span out: a RETRIEVER above it."""
-    kinds, retriever = _LEAN_KINDS, _RETRIEVER
+    kinds, retriever = _LEAN_KINDS, RETRIEVER
     parent, hops, limit = raw.parent_span_id, 0, len(by_id)
     while parent is not None and hops <= limit:  # a malformed trace may loop: bounded as there
         above = by_id.get(parent)
@@ -412,19 +410,19 @@ def _nested_retriever(raw: _WireSpan, by_id: dict[bytes, _WireSpan]) -> bool:
 
 
 # `mlflow.spanType` as written -> its kind; None (no type) is UNKNOWN, as the general reader reads it.
-_LEAN_KINDS: dict[str | None, SpanKind] = {None: _UNKNOWN, **_RAW_KINDS}
+_LEAN_KINDS: dict[str | None, SpanKind] = {None: UNKNOWN, **RAW_KINDS}
 
 
 def _lean_parts(spans_raw: list[_WireSpan]) -> tuple[Span | None, list[Document] | None, list[ToolCall],
                                                      list[ModelCall] | str | None]:
     """`derived_record`'s parts of a trace that states its usage: the root `Span`, the documents of
     the top-level retrievers and the tool calls, in start order, and the model calls whose usage
-    counts (`derive.usage_spans`), read as `derive()` reads them from the general reader's spans,
+    counts (`derive_usage.usage_spans`), read as `derive()` reads them from the general reader's spans,
     whatever the span list's order, repeated ids or loops; every span is checked as the general
     reader checks it. Raises `_NotCanonical` for what the general reader must read."""
     # The stream's hottest loop: one pass finds the few spans derivation reads (the root, tools,
     # retrievers, spans stating usage); what each needs is read after it.
-    kinds, tool, retriever, no_events = _LEAN_KINDS, _TOOL, _RETRIEVER, _NO_EVENTS
+    kinds, tool, retriever, no_events = _LEAN_KINDS, TOOL, RETRIEVER, _NO_EVENTS
     root_raw: _WireSpan | None = None
     tools: list[_WireSpan] = []
     retrievers: list[_WireSpan] = []
@@ -476,9 +474,9 @@ def _lean_parts(spans_raw: list[_WireSpan]) -> tuple[Span | None, list[Document]
                 inputs = raw.attributes.inputs
                 if inputs is not None:
                     inputs = _tool_inputs(inputs)
-                name = _tool_name(inputs) if type(inputs) is dict and "call" in inputs else None
+                name = tool_name(inputs) if type(inputs) is dict and "call" in inputs else None
                 trajectory.append(ToolCall(name or raw.name, inputs or None))
-    except (_Malformed, KeyError, TypeError, ValueError, RecursionError):
+    except (Malformed, KeyError, TypeError, ValueError, RecursionError):
         raise _NotCanonical from None
     return root, retrieved, trajectory, counted
 
@@ -489,7 +487,7 @@ def _spans(spans_raw: list[_WireSpan]) -> list[Span]:
     # The struct types already hold the checks the general reader makes with `type()`; what they
     # cannot state is checked here.
     raw_kinds, status_of, unset, unknown, tool, retriever = (
-        _RAW_KINDS, _STATUS, _UNSET, _UNKNOWN, _TOOL, _RETRIEVER)
+        RAW_KINDS, STATUS, UNSET, UNKNOWN, TOOL, RETRIEVER)
     span_of, no_events = Span, _NO_EVENTS
     ids: dict[bytes, str] = {}  # every parent id is some span's id
     spans: list[Span] = []
@@ -526,14 +524,14 @@ def _spans(spans_raw: list[_WireSpan]) -> list[Span]:
                     if attrs.inputs is not None:
                         inputs = span.inputs = _tool_inputs(attrs.inputs)
                         if type(inputs) is dict and "call" in inputs:
-                            span.tool_name = _tool_name(inputs)
+                            span.tool_name = tool_name(inputs)
                 elif kind is retriever and attrs.outputs is not None:
                     span.documents = _raw_documents(attrs.outputs)
             if attrs.usage is not None:
                 span.token_usage = _span_usage(attrs.usage)
                 if span.token_usage is not None:
                     _usage_attributes(span, attrs)
-    except (_Malformed, KeyError, TypeError, ValueError, RecursionError):
+    except (Malformed, KeyError, TypeError, ValueError, RecursionError):
         raise _NotCanonical from None
     return spans
 
@@ -548,12 +546,12 @@ def _trace(info: _WireInfo, spans: list[Span], app_tag: str | None, usage: Any,
     if info.assessments is not None:
         assessments = orjson.loads(memoryview(info.assessments))
         if assessments is not None and type(assessments) is not list:
-            raise _Malformed
+            raise Malformed
     location = info.trace_location
     experiment = None
     if location is not None and location.mlflow_experiment is not None:
         experiment = location.mlflow_experiment.experiment_id
-    return _build_trace(
+    return build_trace(
         info.trace_id, spans, "mlflow_v3", app_tag, usage,
         metadata={} if info.trace_metadata is None else info.trace_metadata,
         tags={} if info.tags is None else info.tags,

@@ -10,7 +10,8 @@ OTLP/JSON is not protobuf's canonical JSON: trace and span ids are hex (protobuf
 32-char hex trace id as base64 and silently produce 24 bytes), enums are integers, 64-bit integers
 are decimal strings. It is walked here directly rather than through `json_format`, which is both
 slower and wrong about the ids. Base64 ids, enum names and snake_case field names (what
-`MessageToJson`-style writers produce) are accepted too: their lengths never collide with hex ones.
+`MessageToJson`-style writers produce) are accepted too: their lengths never collide with hex ones. The
+encodings this reader shares with the logs reader (`otlp_logs`) live in `otlp_common`.
 
 A record is all-or-nothing: a structurally bad span makes the whole record a `RecordError` naming the
 span's path (`resourceSpans[0].scopeSpans[1].spans[3].traceId`), so a record is either assembled whole
@@ -19,8 +20,6 @@ or dead-lettered whole.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,16 +33,31 @@ from tracejudge.schemas import errors
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.formats.conventions import (
     CONTENT_EVENTS,
-    MLFLOW_SESSION,
-    MLFLOW_USER,
-    SESSION_ATTRIBUTES,
     STATUS_ERROR,
     STATUS_OK,
     STATUS_UNSET,
-    USER_ATTRIBUTES,
-    identity,
     read_content_events,
     span_from_otel,
+)
+from tracejudge.schemas.formats.otlp_common import (
+    ZERO_SPAN,
+    ZERO_TRACE,
+    json_attributes,
+    json_field,
+    json_id,
+    json_int,
+    json_list,
+    json_object,
+    json_string,
+    proto_attributes,
+    service_name,
+)
+from tracejudge.schemas.formats.session_identity import (
+    MLFLOW_SESSION,
+    MLFLOW_USER,
+    SESSION_ATTRIBUTES,
+    USER_ATTRIBUTES,
+    identity,
     spans_identity,
 )
 from tracejudge.schemas.trace import Span, SpanStatus, Trace
@@ -52,9 +66,6 @@ FORMAT_PROTO: Final = "otlp_proto"
 FORMAT_JSON: Final = "otlp_json"
 FORMATS: Final = (FORMAT_PROTO, FORMAT_JSON)
 
-_ZERO_TRACE: Final = b"\x00" * 16
-_ZERO_SPAN: Final = b"\x00" * 8
-_HEX: Final = frozenset("0123456789abcdefABCDEF")
 # Only these events are read (exceptions, vector-DB hits, message content); other events' attributes
 # are never decoded.
 _READ_EVENTS: Final = frozenset({"exception", "db.query.result", *CONTENT_EVENTS})
@@ -144,33 +155,33 @@ def decode_proto(payload: bytes) -> list[SpanGroup]:
                           f"not an OTLP ExportTraceServiceRequest: {exc}{hint}") from exc
     groups: list[SpanGroup] = []
     for ri, resource_spans in enumerate(request.resource_spans):
-        service = _service(_proto_attributes(resource_spans.resource.attributes))
+        service = service_name(proto_attributes(resource_spans.resource.attributes))
         by_trace: dict[bytes, SpanGroup] = {}
         for si, scope_spans in enumerate(resource_spans.scope_spans):
             for pi, sp in enumerate(scope_spans.spans):
                 trace_id = sp.trace_id
-                if len(trace_id) != 16 or trace_id == _ZERO_TRACE:
+                if len(trace_id) != 16 or trace_id == ZERO_TRACE:
                     raise RecordError(errors.INVALID_RECORD, _bad_id("trace", 16, trace_id),
                                       f"{_path(ri, si, pi)}.traceId")
                 span_id = sp.span_id
-                if len(span_id) != 8 or span_id == _ZERO_SPAN:
+                if len(span_id) != 8 or span_id == ZERO_SPAN:
                     raise RecordError(errors.INVALID_RECORD, _bad_id("span", 8, span_id),
                                       f"{_path(ri, si, pi)}.spanId")
                 parent = sp.parent_span_id
                 if parent and len(parent) != 8:
                     raise RecordError(errors.INVALID_RECORD, _bad_id("parent span", 8, parent),
                                       f"{_path(ri, si, pi)}.parentSpanId")
-                events = [(e.name, _proto_attributes(e.attributes) if e.name in _READ_EVENTS else {})
+                events = [(e.name, proto_attributes(e.attributes) if e.name in _READ_EVENTS else {})
                           for e in sp.events]
                 span = span_from_otel(
                     span_id=span_id.hex(),
-                    parent_id=parent.hex() if parent and parent != _ZERO_SPAN else None,
+                    parent_id=parent.hex() if parent and parent != ZERO_SPAN else None,
                     name=sp.name,
                     start_ns=sp.start_time_unix_nano,
                     end_ns=sp.end_time_unix_nano or None,
                     status_code=sp.status.code,
                     status_message=sp.status.message,
-                    attributes=_proto_attributes(sp.attributes),
+                    attributes=proto_attributes(sp.attributes),
                     events=events,
                 )
                 if parent and sp.flags & _REMOTE_PARENT == _REMOTE_PARENT:
@@ -181,26 +192,6 @@ def decode_proto(payload: bytes) -> list[SpanGroup]:
                 group.spans.append(span)
         groups.extend(by_trace.values())
     return groups
-
-
-def _proto_attributes(kvs: Any) -> dict[str, Any]:
-    return {kv.key: _proto_value(kv.value) for kv in kvs}
-
-
-def _proto_value(value: Any) -> Any:
-    which = value.WhichOneof("value")
-    if which == "string_value":
-        return value.string_value
-    if which in ("int_value", "double_value", "bool_value"):
-        return getattr(value, which)
-    if which == "array_value":
-        return [_proto_value(v) for v in value.array_value.values]
-    if which == "kvlist_value":
-        return {kv.key: _proto_value(kv.value) for kv in value.kvlist_value.values}
-    if which == "bytes_value":
-        # As OTLP/JSON writes bytes: base64, so both encodings give the same attribute value.
-        return base64.b64encode(value.bytes_value).decode()
-    return None
 
 
 def _bad_id(what: str, size: int, got: bytes) -> str:
@@ -225,52 +216,52 @@ def decode_json(payload: bytes | str | Mapping[str, Any]) -> list[SpanGroup]:
         raise RecordError(errors.INVALID_RECORD, "an OTLP/JSON trace record must be an object with "
                           "'resourceSpans'", "resourceSpans")
     groups: list[SpanGroup] = []
-    for ri, resource_spans in enumerate(_list(_field(doc, "resourceSpans", "resource_spans"),
+    for ri, resource_spans in enumerate(json_list(json_field(doc, "resourceSpans", "resource_spans"),
                                               "resourceSpans")):
         where_r = f"resourceSpans[{ri}]"
-        _object(resource_spans, where_r)
-        resource = _field(resource_spans, "resource", "resource") or {}
-        _object(resource, f"{where_r}.resource")
-        service = _service(_json_attributes(resource.get("attributes"), f"{where_r}.resource.attributes"))
+        json_object(resource_spans, where_r)
+        resource = json_field(resource_spans, "resource", "resource") or {}
+        json_object(resource, f"{where_r}.resource")
+        service = service_name(json_attributes(resource.get("attributes"), f"{where_r}.resource.attributes"))
         by_trace: dict[str, SpanGroup] = {}
-        scopes = _list(_field(resource_spans, "scopeSpans", "scope_spans"), f"{where_r}.scopeSpans")
+        scopes = json_list(json_field(resource_spans, "scopeSpans", "scope_spans"), f"{where_r}.scopeSpans")
         for si, scope_spans in enumerate(scopes):
-            _object(scope_spans, f"{where_r}.scopeSpans[{si}]")
-            for pi, sp in enumerate(_list(scope_spans.get("spans"), f"{where_r}.scopeSpans[{si}].spans")):
+            json_object(scope_spans, f"{where_r}.scopeSpans[{si}]")
+            for pi, sp in enumerate(json_list(scope_spans.get("spans"), f"{where_r}.scopeSpans[{si}].spans")):
                 where = _path(ri, si, pi)
-                _object(sp, where)
-                trace_id = _json_id(_field(sp, "traceId", "trace_id"), 16, f"{where}.traceId")
+                json_object(sp, where)
+                trace_id = json_id(json_field(sp, "traceId", "trace_id"), 16, f"{where}.traceId")
                 if trace_id is None:
                     raise RecordError(errors.INVALID_RECORD, "traceId is missing", f"{where}.traceId")
-                span_id = _json_id(_field(sp, "spanId", "span_id"), 8, f"{where}.spanId")
+                span_id = json_id(json_field(sp, "spanId", "span_id"), 8, f"{where}.spanId")
                 if span_id is None:
                     raise RecordError(errors.INVALID_RECORD, "spanId is missing", f"{where}.spanId")
-                parent = _json_id(_field(sp, "parentSpanId", "parent_span_id"), 8, f"{where}.parentSpanId",
+                parent = json_id(json_field(sp, "parentSpanId", "parent_span_id"), 8, f"{where}.parentSpanId",
                                   zero_ok=True)
                 status = sp.get("status") or {}
-                _object(status, f"{where}.status")
+                json_object(status, f"{where}.status")
                 events = []
-                for ei, event in enumerate(_list(sp.get("events"), f"{where}.events")):
-                    _object(event, f"{where}.events[{ei}]")
+                for ei, event in enumerate(json_list(sp.get("events"), f"{where}.events")):
+                    json_object(event, f"{where}.events[{ei}]")
                     name = event.get("name") or ""
-                    attrs = (_json_attributes(event.get("attributes"), f"{where}.events[{ei}].attributes")
+                    attrs = (json_attributes(event.get("attributes"), f"{where}.events[{ei}].attributes")
                              if name in _READ_EVENTS else {})
                     events.append((name, attrs))
-                end_ns = _json_int(_field(sp, "endTimeUnixNano", "end_time_unix_nano"),
+                end_ns = json_int(json_field(sp, "endTimeUnixNano", "end_time_unix_nano"),
                                    f"{where}.endTimeUnixNano")
                 span = span_from_otel(
                     span_id=span_id,
                     parent_id=parent,
-                    name=_string(sp.get("name"), f"{where}.name"),
-                    start_ns=_json_int(_field(sp, "startTimeUnixNano", "start_time_unix_nano"),
+                    name=json_string(sp.get("name"), f"{where}.name"),
+                    start_ns=json_int(json_field(sp, "startTimeUnixNano", "start_time_unix_nano"),
                                        f"{where}.startTimeUnixNano"),
                     end_ns=end_ns or None,
                     status_code=_status_code(status.get("code"), f"{where}.status.code"),
-                    status_message=_string(status.get("message"), f"{where}.status.message"),
-                    attributes=_json_attributes(sp.get("attributes"), f"{where}.attributes"),
+                    status_message=json_string(status.get("message"), f"{where}.status.message"),
+                    attributes=json_attributes(sp.get("attributes"), f"{where}.attributes"),
                     events=events,
                 )
-                if parent and _json_int(sp.get("flags"), f"{where}.flags") & _REMOTE_PARENT == _REMOTE_PARENT:
+                if parent and json_int(sp.get("flags"), f"{where}.flags") & _REMOTE_PARENT == _REMOTE_PARENT:
                     span.attributes[REMOTE_PARENT_KEY] = True
                 group = by_trace.get(trace_id)
                 if group is None:
@@ -280,129 +271,15 @@ def decode_json(payload: bytes | str | Mapping[str, Any]) -> list[SpanGroup]:
     return groups
 
 
-def _field(obj: Mapping[str, Any], camel: str, snake: str) -> Any:
-    value = obj.get(camel)
-    return obj.get(snake) if value is None else value
-
-
-def _object(value: Any, where: str) -> None:
-    if not isinstance(value, Mapping):
-        raise RecordError(errors.INVALID_RECORD, f"expected an object, got {type(value).__name__}", where)
-
-
-def _list(value: Any, where: str) -> list[Any]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise RecordError(errors.INVALID_RECORD, f"expected an array, got {type(value).__name__}", where)
-    return value
-
-
-def _string(value: Any, where: str) -> str:
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise RecordError(errors.INVALID_RECORD, f"expected a string, got {type(value).__name__}", where)
-    return value
-
-
-def _json_id(value: Any, size: int, where: str, *, zero_ok: bool = False) -> str | None:
-    """A hex id (OTLP/JSON), or a base64 one (protobuf JSON), as lowercase hex; "" -> None."""
-    if value is None or value == "":
-        return None
-    if not isinstance(value, str):
-        raise RecordError(errors.INVALID_RECORD, f"expected a hex string, got {type(value).__name__}", where)
-    if len(value) == 2 * size and _HEX.issuperset(value):
-        hex_id = value.lower()
-    else:
-        # Protobuf JSON writes base64 (16 bytes -> 24 chars, 8 -> 12): never the hex lengths.
-        try:
-            raw = base64.b64decode(value, validate=True)
-        except (binascii.Error, ValueError):
-            raw = b""
-        if len(raw) != size:
-            raise RecordError(errors.INVALID_RECORD, f"expected {2 * size} hex characters, got "
-                              f"{errors.describe_value(value)}", where)
-        hex_id = raw.hex()
-    if hex_id.count("0") == 2 * size:
-        if zero_ok:
-            return None
-        raise RecordError(errors.INVALID_RECORD, "id is all zeros (invalid)", where)
-    return hex_id
-
-
-def _json_int(value: Any, where: str) -> int:
-    if value is None:
-        return 0
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        try:
-            return int(value)
-        except ValueError:
-            pass
-    raise RecordError(errors.INVALID_RECORD, f"expected an integer (decimal string), got "
-                      f"{errors.describe_value(value)}", where)
-
-
 def _status_code(value: Any, where: str) -> int:
     if value is None:
         return STATUS_UNSET
     if isinstance(value, str) and value in _STATUS_NAMES:
         return _STATUS_NAMES[value]
-    code = _json_int(value, where)
+    code = json_int(value, where)
     if code not in (STATUS_UNSET, STATUS_OK, STATUS_ERROR):
         raise RecordError(errors.INVALID_RECORD, f"unknown status code {errors.describe_value(code)}", where)
     return code
-
-
-def _json_attributes(kvs: Any, where: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for i, kv in enumerate(_list(kvs, where)):
-        if not isinstance(kv, Mapping) or not isinstance(kv.get("key"), str):
-            raise RecordError(errors.INVALID_RECORD, "expected {\"key\": <string>, \"value\": {...}}",
-                              f"{where}[{i}]")
-        out[kv["key"]] = _json_value(kv.get("value"), f"{where}[{i}].value")
-    return out
-
-
-def _json_value(value: Any, where: str) -> Any:
-    if value is None:
-        return None
-    if not isinstance(value, Mapping):
-        raise RecordError(errors.INVALID_RECORD, f"expected an AnyValue object, got {type(value).__name__}",
-                          where)
-    for key, item in value.items():
-        if key in ("stringValue", "string_value"):
-            return _string(item, where)
-        if key in ("intValue", "int_value"):
-            return _json_int(item, where)
-        if key in ("boolValue", "bool_value"):
-            if not isinstance(item, bool):
-                raise RecordError(errors.INVALID_RECORD,
-                                  f"expected true/false, got {errors.describe_value(item)}", where)
-            return item
-        if key in ("doubleValue", "double_value"):
-            return _json_double(item, where)
-        if key in ("arrayValue", "array_value"):
-            values = _list((item or {}).get("values"), f"{where}.arrayValue.values")
-            return [_json_value(v, f"{where}.arrayValue.values[{i}]") for i, v in enumerate(values)]
-        if key in ("kvlistValue", "kvlist_value"):
-            return _json_attributes((item or {}).get("values"), f"{where}.kvlistValue.values")
-        if key in ("bytesValue", "bytes_value"):
-            return _string(item, where)
-    return None
-
-
-def _json_double(value: Any, where: str) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)  # also "NaN", "Infinity", "-Infinity": how JSON spells them
-        except ValueError:
-            pass
-    raise RecordError(errors.INVALID_RECORD, f"expected a number, got {errors.describe_value(value)}", where)
 
 
 # --- both -------------------------------------------------------------------------------------------
@@ -410,14 +287,6 @@ def _json_double(value: Any, where: str) -> float:
 
 def _path(ri: int, si: int, pi: int) -> str:
     return f"resourceSpans[{ri}].scopeSpans[{si}].spans[{pi}]"
-
-
-def _service(resource: Mapping[str, Any]) -> str | None:
-    name = resource.get("service.name")
-    # The SDK's placeholder when the app set no name; it identifies nothing.
-    if not isinstance(name, str) or not name or name.startswith("unknown_service"):
-        return None
-    return name
 
 
 _TAG_PREFIX: Final = "mlflow.traceTag."
@@ -434,7 +303,7 @@ def build_trace(trace_id: str, spans: Sequence[Span], *, source_format: str, app
     `app` is the service.name of the root span's resource; `app_tag` (`stream.app_tag`) names a trace
     tag (`mlflow.traceTag.<name>`) or root span attribute whose string value is the app instead.
 
-    Session and user (`conventions.spans_identity`): `session.id` (OpenInference, MLflow's OTLP
+    Session and user (`session_identity.spans_identity`): `session.id` (OpenInference, MLflow's OTLP
     export), `gen_ai.conversation.id`, Traceloop's `session_id` association property; `user.id`,
     Traceloop's `user_id`; on the root span, else the first span stating one. `session_tag`
     (`stream.session_tag`) names a trace tag or span attribute whose value is the session instead.

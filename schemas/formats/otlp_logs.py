@@ -11,7 +11,8 @@ spans and, when the trace is built, each event is read onto the span it names
 
 Only records whose event name is a content event are kept (a service's ordinary logs are skipped
 unread); a record without a trace id or span id cannot be placed and is skipped too. A structurally
-bad record is a `RecordError` naming its path, as for spans.
+bad record is a `RecordError` naming its path, as for spans (ids, attributes and values are read by
+`otlp_common`, as the trace reader reads them).
 """
 
 from __future__ import annotations
@@ -27,20 +28,19 @@ from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsSer
 from tracejudge.schemas import errors
 from tracejudge.schemas.errors import RecordError
 from tracejudge.schemas.formats.conventions import CONTENT_EVENTS
-from tracejudge.schemas.formats.otlp import (
-    _ZERO_SPAN,
-    _ZERO_TRACE,
-    FORMAT_JSON,
-    FORMAT_PROTO,
-    _field,
-    _json_attributes,
-    _json_id,
-    _json_value,
-    _list,
-    _object,
-    _proto_attributes,
-    _proto_value,
-    _service,
+from tracejudge.schemas.formats.otlp import FORMAT_JSON, FORMAT_PROTO
+from tracejudge.schemas.formats.otlp_common import (
+    ZERO_SPAN,
+    ZERO_TRACE,
+    json_attributes,
+    json_field,
+    json_id,
+    json_list,
+    json_object,
+    json_value,
+    proto_attributes,
+    proto_value,
+    service_name,
 )
 
 FORMAT_LOGS_PROTO: Final = "otlp_logs_proto"
@@ -105,20 +105,20 @@ def decode_proto(payload: bytes) -> list[EventGroup]:
         raise RecordError(errors.INVALID_PROTOBUF, f"not an OTLP ExportLogsServiceRequest: {exc}") from exc
     groups: list[EventGroup] = []
     for resource_logs in request.resource_logs:
-        service = _service(_proto_attributes(resource_logs.resource.attributes))
+        service = service_name(proto_attributes(resource_logs.resource.attributes))
         by_trace: dict[Any, EventGroup] = {}
         for scope_logs in resource_logs.scope_logs:
             for rec in scope_logs.log_records:
-                attributes = _proto_attributes(rec.attributes)
+                attributes = proto_attributes(rec.attributes)
                 name = rec.event_name or attributes.pop("event.name", "")
                 if name not in CONTENT_EVENTS:
                     continue
                 trace_id, span_id = rec.trace_id, rec.span_id
-                if (len(trace_id) != 16 or trace_id == _ZERO_TRACE or len(span_id) != 8
-                        or span_id == _ZERO_SPAN):
+                if (len(trace_id) != 16 or trace_id == ZERO_TRACE or len(span_id) != 8
+                        or span_id == ZERO_SPAN):
                     _unplaced(by_trace, service, name)
                     continue
-                body = _proto_value(rec.body) if rec.HasField("body") else None
+                body = proto_value(rec.body) if rec.HasField("body") else None
                 group = by_trace.get(trace_id)
                 if group is None:
                     group = by_trace[trace_id] = EventGroup(trace_id.hex(), service, [])
@@ -139,32 +139,34 @@ def decode_json(payload: bytes | str | Mapping[str, Any]) -> list[EventGroup]:
         raise RecordError(errors.INVALID_RECORD, "an OTLP/JSON logs record must be an object with "
                           "'resourceLogs'", "resourceLogs")
     groups: list[EventGroup] = []
-    for ri, resource_logs in enumerate(_list(_field(doc, "resourceLogs", "resource_logs"), "resourceLogs")):
+    resources = json_list(json_field(doc, "resourceLogs", "resource_logs"), "resourceLogs")
+    for ri, resource_logs in enumerate(resources):
         where_r = f"resourceLogs[{ri}]"
-        _object(resource_logs, where_r)
-        resource = _field(resource_logs, "resource", "resource") or {}
-        _object(resource, f"{where_r}.resource")
-        service = _service(_json_attributes(resource.get("attributes"), f"{where_r}.resource.attributes"))
+        json_object(resource_logs, where_r)
+        resource = json_field(resource_logs, "resource", "resource") or {}
+        json_object(resource, f"{where_r}.resource")
+        service = service_name(json_attributes(resource.get("attributes"), f"{where_r}.resource.attributes"))
         by_trace: dict[Any, EventGroup] = {}
-        for si, scope_logs in enumerate(_list(_field(resource_logs, "scopeLogs", "scope_logs"),
+        for si, scope_logs in enumerate(json_list(json_field(resource_logs, "scopeLogs", "scope_logs"),
                                               f"{where_r}.scopeLogs")):
-            _object(scope_logs, f"{where_r}.scopeLogs[{si}]")
-            records = _list(_field(scope_logs, "logRecords", "log_records"),
+            json_object(scope_logs, f"{where_r}.scopeLogs[{si}]")
+            records = json_list(json_field(scope_logs, "logRecords", "log_records"),
                             f"{where_r}.scopeLogs[{si}].logRecords")
             for li, rec in enumerate(records):
                 where = f"{where_r}.scopeLogs[{si}].logRecords[{li}]"
-                _object(rec, where)
-                attributes = _json_attributes(rec.get("attributes"), f"{where}.attributes")
-                name = _field(rec, "eventName", "event_name") or attributes.pop("event.name", "")
+                json_object(rec, where)
+                attributes = json_attributes(rec.get("attributes"), f"{where}.attributes")
+                name = json_field(rec, "eventName", "event_name") or attributes.pop("event.name", "")
                 if name not in CONTENT_EVENTS:
                     continue
-                trace_id = _json_id(_field(rec, "traceId", "trace_id"), 16, f"{where}.traceId", zero_ok=True)
-                span_id = _json_id(_field(rec, "spanId", "span_id"), 8, f"{where}.spanId", zero_ok=True)
+                trace_id = json_id(json_field(rec, "traceId", "trace_id"), 16, f"{where}.traceId",
+                                   zero_ok=True)
+                span_id = json_id(json_field(rec, "spanId", "span_id"), 8, f"{where}.spanId", zero_ok=True)
                 if trace_id is None or span_id is None:
                     _unplaced(by_trace, service, name)
                     continue
                 body = rec.get("body")
-                body = _json_value(body, f"{where}.body") if body is not None else None
+                body = json_value(body, f"{where}.body") if body is not None else None
                 group = by_trace.get(trace_id)
                 if group is None:
                     group = by_trace[trace_id] = EventGroup(trace_id, service, [])

@@ -2,7 +2,8 @@
 
 A candidate is configured under `judges.shadow` (`{name: {shadows: <live judge>, model?, settings}}`,
 see `JudgesConfig.shadow_judges`). It runs on exactly the records its live judge sampled: the same
-deterministic sample point and the live judge's rate and filters, decided in the same `_plan` pass,
+deterministic sample point and the live judge's rate and filters, decided in the same planning pass
+(`tracejudge.metrics.judges.planning.Planner`),
 so the two verdicts on a record are a fair pair. Its assessments go on the result line with
 `shadow_of=<live judge>` but never into the quality series (`tracejudge_judge_verdicts_total`,
 `tracejudge_judge_score`); instead each pair where both gave a verdict counts in
@@ -13,27 +14,30 @@ shadow assessments (counted as skipped, reason `shadow`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
+from tracejudge.metrics.judges.config import ShadowJudge
+from tracejudge.metrics.judges.planning import Configured
+from tracejudge.metrics.judges.series import JudgeMetrics
 from tracejudge.schemas.result import Assessment
 
-if TYPE_CHECKING:
-    from tracejudge.metrics.judges.runner import JudgeRunner, _Configured
-    from tracejudge.metrics.judges.series import JudgeMetrics
+# Configures one judge: (name, settings, kind, model) -> Configured (the runner's clients and budgets).
+MakeJudge = Callable[[str, Any, str, "str | None"], Configured]
 
 __all__ = ["compare_shadows", "configure_shadows"]
 
 
 def configure_shadows(
-    runner: JudgeRunner, live: list[_Configured], env: Mapping[str, str] | None
-) -> list[_Configured]:
-    """The runner's shadow judges, each with its live judge's sample rate and filters (placed after
-    the live judges, so `_plan` has decided the live judge's sample when it reaches the shadow)."""
+    live: list[Configured], shadows: Mapping[str, ShadowJudge], make: MakeJudge
+) -> list[Configured]:
+    """The shadow judges, each made by `make` with its live judge's sample rate and filters (placed
+    after the live judges, so the planner has decided the live judge's sample when it reaches the
+    shadow)."""
     by_name = {c.name: c for c in live}
     out = []
-    for name, shadow in runner.config.shadow_judges().items():
-        cj = runner._configure(name, shadow.settings, env, kind=shadow.kind, model=shadow.model)
+    for name, shadow in shadows.items():
+        cj = make(name, shadow.settings, shadow.kind, shadow.model)
         target = by_name[shadow.shadows]
         cj.rate, cj.filter, cj.shadow_of = target.rate, target.filter, shadow.shadows
         out.append(cj)

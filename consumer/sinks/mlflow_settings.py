@@ -1,0 +1,148 @@
+"""The `sink.mlflow` section of the MLflow sink (`tracejudge.consumer.sinks.mlflow`), and its credentials.
+
+A `SinkSection` (`tracejudge.consumer.sinks.base`): validated by pydantic, every bad key named
+(`sink.mlflow.max_concurrency: must be >= 1, got 0`). `tracking_uri` defaults to MLflow's own
+`MLFLOW_TRACKING_URI`; the credentials are read once at start-up (`resolve`), so an unreadable
+`token_file` or half a basic-auth pair is reported before anything runs. The section holds the names of
+the secrets' variables and file, never their values.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar, Self
+from urllib.parse import urlsplit
+
+import httpx
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from tracejudge.consumer.sinks.base import SinkSection
+from tracejudge.metrics.judges.secrets import redact_url, url_problem
+from tracejudge.schemas.errors import ConfigError
+
+__all__ = ["Bearer", "MlflowSinkSettings"]
+
+# Keys whose stated empty value (an environment override `TRACEJUDGE_SINK__MLFLOW__TOKEN_ENV=`) means "none".
+_OPTIONAL_NAMES = ("experiment_id", "token_env", "token_file", "username_env", "password_env")
+
+
+class MlflowSinkSettings(SinkSection):
+    """The `sink.mlflow` section. Holds the names of the secrets' variables and file, never their values."""
+
+    section_key: ClassVar[str] = "sink.mlflow"
+
+    # Required: the key, else MLFLOW_TRACKING_URI.
+    tracking_uri: str = Field(default="", validate_default=True)
+    experiment_id: str | None = None
+    token_env: str | None = "MLFLOW_TRACKING_TOKEN"
+    token_file: str | None = None
+    username_env: str | None = "MLFLOW_TRACKING_USERNAME"
+    password_env: str | None = "MLFLOW_TRACKING_PASSWORD"
+    max_concurrency: int = Field(default=16, ge=1)
+    unknown_trace_retry_s: float = Field(default=300.0, ge=0, allow_inf_nan=False)
+    unknown_trace_attempts: int = Field(default=5, ge=1)
+    write_metrics: bool = False
+    timeout_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _uri_from_environment(cls, data: Any, info: ValidationInfo) -> Any:
+        env = (info.context or {}).get("env", os.environ)
+        if isinstance(data, Mapping) and data.get("tracking_uri") is None and env.get("MLFLOW_TRACKING_URI"):
+            return {**data, "tracking_uri": env["MLFLOW_TRACKING_URI"]}
+        return data
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _uri(cls, v: str) -> str:
+        if not v:
+            raise ValueError("required (or set MLFLOW_TRACKING_URI)")
+        if problem := _check_uri(v):
+            raise ValueError(problem)
+        return v.rstrip("/")
+
+    @field_validator(*_OPTIONAL_NAMES, mode="before")
+    @classmethod
+    def _empty_is_none(cls, v: Any) -> Any:
+        return None if v == "" else v
+
+    @field_validator(*_OPTIONAL_NAMES)
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+    def resolve(self, env: Mapping[str, str]) -> Self:
+        """Read the credentials once, so a problem with them is reported at start-up."""
+        self.auth(env, where="")
+        return self
+
+    def auth(self, env: Mapping[str, str] | None = None, where: str = "sink.mlflow") -> httpx.Auth | None:
+        """The credentials: `token_file`, else basic auth when both of its variables are set, else
+        the token variable, else none (MLflow's order, with an explicit file first). A `ConfigError`
+        names the key under `where` ("" for keys relative to the section)."""
+        env = os.environ if env is None else env
+
+        def key(name: str) -> str:
+            return f"{where}.{name}" if where else name
+
+        if self.token_file:
+            path = Path(self.token_file).expanduser()
+            try:
+                token = path.read_text(encoding="utf-8").strip()
+            except OSError as exc:
+                raise ConfigError(key("token_file"), f"cannot read {path}: {exc.strerror}") from None
+            if not token:
+                raise ConfigError(key("token_file"), f"{path} is empty")
+            return Bearer(token)
+        user = env.get(self.username_env) if self.username_env else None
+        password = env.get(self.password_env) if self.password_env else None
+        if user and password:
+            return httpx.BasicAuth(user, password)
+        if user or password:
+            missing = self.password_env if user else self.username_env
+            raise ConfigError(key("password_env" if user else "username_env"),
+                              f"basic auth needs {missing} set too")
+        token = env.get(self.token_env) if self.token_env else None
+        if token and token.strip():
+            return Bearer(token.strip())
+        return None
+
+    def auth_key(self, env: Mapping[str, str] | None = None) -> str:
+        """The key to blame when the server refuses the credentials."""
+        env = os.environ if env is None else env
+        if self.token_file:
+            return "token_file"
+        if self.username_env and env.get(self.username_env):
+            return "username_env"
+        return "token_env"
+
+
+def _check_uri(uri: str) -> str | None:
+    """Why `uri` cannot be the tracking URI; the URI is quoted only through `redact_url`."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return f"expected an http(s):// URL of an MLflow tracking server, got {redact_url(uri)!r}"
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        hint = " (a Databricks workspace is not supported)" if uri.startswith("databricks") else ""
+        return f"expected an http(s):// URL of an MLflow tracking server, got {redact_url(uri)!r}{hint}"
+    return url_problem(uri, query=False,
+                       credentials_go_in="token_env / token_file, or username_env and password_env")
+
+
+class Bearer(httpx.Auth):
+    """`Authorization: Bearer …`, with a repr that does not show the token."""
+
+    def __init__(self, token: str) -> None:
+        self._header = f"Bearer {token}"
+
+    def auth_flow(self, request: httpx.Request):  # type: ignore[no-untyped-def]
+        request.headers["Authorization"] = self._header
+        yield request
+
+    def __repr__(self) -> str:
+        return "Bearer(<redacted>)"
