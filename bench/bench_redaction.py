@@ -149,9 +149,10 @@ def redactor_alone(recs: list[EvalRecord]) -> float:
         texts.append([r.request or "", r.response or "", r.expected_response or "", ctx])
     t0 = time.process_time()
     for request, response, expected, ctx in texts:
+        memo: dict = {}  # one record's judgements share the memo of its lines, as the runner's do
         for parts in ([request, response], [request, response], [request, response, expected]):
-            redactor.session().texts(parts)
-        redactor.session().texts([request, ctx, response])
+            redactor.session(memo).texts(parts)
+        redactor.session(memo).texts([request, ctx, response])
     return (time.process_time() - t0) / len(recs)
 
 

@@ -451,3 +451,26 @@ def test_configuration_errors_name_the_key(redaction: dict[str, Any], key: str, 
 def test_redaction_is_on_by_default() -> None:
     cfg = load_judges_config({})
     assert cfg.redaction.enabled and set(cfg.redaction.kinds) == set(KINDS) - {"custom"}
+
+
+def test_a_system_message_is_the_judges_own_text_and_passes_as_written_while_user_text_is_redacted():
+    """System messages hold the judge's instructions (built-in, or a custom judge's configured criteria),
+    never trace text: they are sent as written; the user message, where every prompt puts the trace's
+    text, is redacted."""
+    session = Redactor().session()
+    system = {"role": "system", "content": "Reply to ops@example.com with JSON."}
+    user = {"role": "user", "content": "<request>\nmail me at jane.doe@example.com\n</request>"}
+    out_system, out_user = session.messages([system, user])
+    assert out_system is system
+    assert "jane.doe@example.com" not in out_user["content"] and "<EMAIL_1>" in out_user["content"]
+
+
+def test_one_records_judgements_share_a_line_memo_and_the_next_record_starts_afresh():
+    """The runner gives each record's judgements one memo (Plan.redaction_memo): a line seen by one
+    judge of the record is not scanned again by the next, and nothing is carried to another record."""
+    redactor = Redactor()
+    memo: dict = {}
+    first, second = redactor.session(memo), redactor.session(memo)
+    text = "call 555-0100 or mail a@example.com"
+    assert first.text(text) == second.text(text)
+    assert memo and redactor.session()._lines == {}

@@ -558,11 +558,17 @@ class Redaction:
         return [self.text(t) for t in texts]
 
     def messages(self, messages: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-        """Chat messages with their string `content` redacted (other keys as they were)."""
+        """Chat messages with their string `content` redacted (other keys as they were). A `system`
+        message is the judge's own instructions — the built-in text, or a custom judge's criteria from
+        the configuration — and never carries trace text (every prompt puts that in the user message,
+        tracejudge.metrics.judges.prompt_safety), so it is sent as written rather than scanned again for
+        every record."""
         out = []
         for m in messages:
             content = m.get("content")
-            if isinstance(content, str):
+            if m.get("role") == "system":
+                out.append(m)
+            elif isinstance(content, str):
                 red = self.text(content)
                 out.append(m if red is content else {**m, "content": red})
             else:  # the judges send strings only
