@@ -104,8 +104,8 @@ _ENCODER = msgspec.json.Encoder(enc_hook=str)
 # result of a turn of a session is keyed by its session id on the results topic; session result lines
 # (`"kind": "session"`, `tracejudge.schemas.session`) on the session results topic.
 # 4: the record's `human_labels`, `model_usage`, `cost`; each assessment's `shadow_of`, `cost_usd`,
-# `redacted`; the result's `backfill`.
-SCHEMA_VERSION = 4
+# `redacted`; the result's `backfill`. 5: the record's `warnings` (values set aside as impossible).
+SCHEMA_VERSION = 5
 _VERSION_PREFIX = b'{"schema_version":%d,' % SCHEMA_VERSION
 
 # The source formats whose trace MLflow stores under "tr-" + the 32-hex OpenTelemetry trace id: MLflow 3
