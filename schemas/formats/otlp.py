@@ -25,7 +25,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-import orjson
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
@@ -43,6 +42,7 @@ from tracejudge.schemas.formats.otlp_common import (
     ZERO_SPAN,
     ZERO_TRACE,
     json_attributes,
+    json_document,
     json_field,
     json_id,
     json_int,
@@ -205,16 +205,7 @@ def _bad_id(what: str, size: int, got: bytes) -> str:
 
 def decode_json(payload: bytes | str | Mapping[str, Any]) -> list[SpanGroup]:
     """Decode OTLP/JSON (hex ids, integer enums, 64-bit integers as strings)."""
-    if isinstance(payload, Mapping):
-        doc: Any = payload
-    else:
-        try:
-            doc = orjson.loads(payload)
-        except orjson.JSONDecodeError as exc:
-            raise RecordError(errors.INVALID_JSON, errors.not_json(exc)) from exc
-    if not is_otlp_json(doc):
-        raise RecordError(errors.INVALID_RECORD, "an OTLP/JSON trace record must be an object with "
-                          "'resourceSpans'", "resourceSpans")
+    doc = json_document(payload, is_otlp_json, "trace", "resourceSpans")
     groups: list[SpanGroup] = []
     for ri, resource_spans in enumerate(json_list(json_field(doc, "resourceSpans", "resource_spans"),
                                               "resourceSpans")):

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
+
+import orjson
 
 from tracejudge.schemas import errors
 from tracejudge.schemas.errors import RecordError
 
-__all__ = ["ZERO_SPAN", "ZERO_TRACE", "json_attributes", "json_double", "json_field", "json_id", "json_int",
-           "json_list", "json_object", "json_string", "json_value", "proto_attributes", "proto_value",
-           "service_name"]
+__all__ = ["ZERO_SPAN", "ZERO_TRACE", "json_attributes", "json_document", "json_double", "json_field",
+           "json_id", "json_int", "json_list", "json_object", "json_string", "json_value", "proto_attributes",
+           "proto_value", "service_name"]
 
 # All-zero ids are invalid in OTLP (and a zero parent means "no parent").
 ZERO_TRACE: Final = b"\x00" * 16
@@ -188,3 +190,21 @@ def service_name(resource: Mapping[str, Any]) -> str | None:
     if not isinstance(name, str) or not name or name.startswith("unknown_service"):
         return None
     return name
+
+
+def json_document(payload: bytes | str | Mapping[str, Any], accepts: Callable[[Any], bool], what: str,
+                  key: str) -> Any:
+    """The OTLP/JSON document of one record (`payload` parsed unless it already is), refused as
+    `invalid_json` when it is not JSON and as `invalid_record` when `accepts` does not take it (an object
+    with `key`: `resourceSpans` for traces, `resourceLogs` for logs)."""
+    if isinstance(payload, Mapping):
+        doc: Any = payload
+    else:
+        try:
+            doc = orjson.loads(payload)
+        except orjson.JSONDecodeError as exc:
+            raise RecordError(errors.INVALID_JSON, errors.not_json(exc)) from exc
+    if not accepts(doc):
+        raise RecordError(errors.INVALID_RECORD, f"an OTLP/JSON {what} record must be an object with '{key}'",
+                          key)
+    return doc

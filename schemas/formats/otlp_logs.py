@@ -21,7 +21,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-import orjson
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
@@ -33,6 +32,7 @@ from tracejudge.schemas.formats.otlp_common import (
     ZERO_SPAN,
     ZERO_TRACE,
     json_attributes,
+    json_document,
     json_field,
     json_id,
     json_list,
@@ -128,16 +128,7 @@ def decode_proto(payload: bytes) -> list[EventGroup]:
 
 
 def decode_json(payload: bytes | str | Mapping[str, Any]) -> list[EventGroup]:
-    if isinstance(payload, Mapping):
-        doc: Any = payload
-    else:
-        try:
-            doc = orjson.loads(payload)
-        except orjson.JSONDecodeError as exc:
-            raise RecordError(errors.INVALID_JSON, errors.not_json(exc)) from exc
-    if not is_otlp_logs_json(doc):
-        raise RecordError(errors.INVALID_RECORD, "an OTLP/JSON logs record must be an object with "
-                          "'resourceLogs'", "resourceLogs")
+    doc = json_document(payload, is_otlp_logs_json, "logs", "resourceLogs")
     groups: list[EventGroup] = []
     resources = json_list(json_field(doc, "resourceLogs", "resource_logs"), "resourceLogs")
     for ri, resource_logs in enumerate(resources):
