@@ -133,14 +133,15 @@ class RecordProcessor:
             self._check(record.value)
             route.take(record, source, ticket, started)
         except RecordError as exc:
-            self._dead_letter(record, source, exc.reason, exc.message, ticket)
+            self._dead_letter(source, exc.reason, exc.message, self.exports.start(ticket), record=record)
             self._observe(time.perf_counter() - started)
         except Exception as exc:
             # A parser or metric bug: the record is dead-lettered with the traceback logged, the stream
             # goes on.
             log.exception("unexpected error processing %s[%s]@%s", record.topic, record.partition,
                           record.offset)
-            self._dead_letter(record, source, PROCESSING_ERROR, exception_text(exc), ticket)
+            self._dead_letter(source, PROCESSING_ERROR, exception_text(exc), self.exports.start(ticket),
+                              record=record)
             self._observe(time.perf_counter() - started)
 
     def flush(self) -> None:
@@ -197,9 +198,7 @@ class RecordProcessor:
             record, source, export = item.record, item.source, item.export
             log.exception("finishing %s[%s]@%s failed", source.topic, source.partition, source.offset)
             if not export.released:
-                self.dead_letters.send(source=source, reason=PROCESSING_ERROR, ticket=export,
-                                       error=exception_text(exc), value=record.value,
-                                       key=record.key, headers=record.headers, timestamp_ms=record.timestamp)
+                self._dead_letter(source, PROCESSING_ERROR, exception_text(exc), export, record=record)
 
     def _finish_decoded(self, item: Handed, decoded: Decoded) -> None:
         record, source, export = item.record, item.source, item.export
@@ -215,12 +214,10 @@ class RecordProcessor:
             log.error("unexpected error %s %s:\n%s", "processing" if decoded.failed_at == DECODE
                       else "evaluating", where, decoded.traceback.rstrip())
         if decoded.failed_at == EVALUATE:
-            self.dead_letters.send(source=source, reason=decoded.reason or PROCESSING_ERROR, ticket=export,
-                                   error=decoded.message or "", value=None)
+            self._dead_letter(source, decoded.reason or PROCESSING_ERROR, decoded.message or "", export)
         else:
-            self.dead_letters.send(source=source, reason=decoded.reason or PROCESSING_ERROR,
-                                   error=decoded.message or "", ticket=export, value=record.value,
-                                   key=record.key, headers=record.headers, timestamp_ms=record.timestamp)
+            self._dead_letter(source, decoded.reason or PROCESSING_ERROR, decoded.message or "", export,
+                              record=record)
 
     def _check(self, value: bytes | None) -> None:
         if value is None:
@@ -238,8 +235,8 @@ class RecordProcessor:
             result = self.pipeline.evaluate(record, source)
         except Exception as exc:
             log.exception("evaluating %s[%s]@%s failed", source.topic, source.partition, source.offset)
-            self.dead_letters.send(source=source, reason=PROCESSING_ERROR, ticket=self.exports.start(ticket),
-                                   error=exception_text(exc), value=None, count_record=count)
+            self._dead_letter(source, PROCESSING_ERROR, exception_text(exc), self.exports.start(ticket),
+                              count=count)
             return
         export = self.exports.start(ticket)
         try:
@@ -247,8 +244,7 @@ class RecordProcessor:
         except Exception as exc:  # a bug past evaluation must not hold the offset back either
             log.exception("finishing %s[%s]@%s failed", source.topic, source.partition, source.offset)
             if not export.released:
-                self.dead_letters.send(source=source, reason=PROCESSING_ERROR, ticket=export, value=None,
-                                       error=exception_text(exc), count_record=count)
+                self._dead_letter(source, PROCESSING_ERROR, exception_text(exc), export, count=count)
 
     def _judge_and_finish(self, result: EvaluationResult, export: Export, count: bool) -> None:
         if self.judge is None:
@@ -298,14 +294,12 @@ class RecordProcessor:
         try:
             record = trace.record()
         except RecordError as exc:
-            self.dead_letters.send(source=source, reason=exc.reason, error=exc.message, value=None,
-                                   ticket=self.exports.start(trace), count_record=False)
+            self._dead_letter(source, exc.reason, exc.message, self.exports.start(trace), count=False)
             return
         except Exception as exc:
             log.exception("deriving assembled trace %s failed", trace.trace.trace_id)
-            self.dead_letters.send(source=source, reason=PROCESSING_ERROR, value=None,
-                                   error=exception_text(exc), ticket=self.exports.start(trace),
-                                   count_record=False)
+            self._dead_letter(source, PROCESSING_ERROR, exception_text(exc), self.exports.start(trace),
+                              count=False)
             return
         self.emit(record, source, trace, count=False)
 
@@ -326,7 +320,15 @@ class RecordProcessor:
         """Drop open traces without releasing their records (revocation, shutdown): read again later."""
         return self.assembler.discard() if self.assembler is not None else 0
 
-    def _dead_letter(self, record: Any, source: SourceRef, reason: str, error: str, ticket: Ticket) -> None:
-        self.dead_letters.send(source=source, reason=reason, error=error, ticket=self.exports.start(ticket),
-                               value=record.value, key=record.key, headers=record.headers,
-                               timestamp_ms=record.timestamp)
+    def _dead_letter(self, source: SourceRef, reason: str, error: str, export: Releasable, *,
+                     record: Any = None, count: bool = True) -> None:
+        """The one way a record leaves this path rejected: with its own bytes, key and headers when
+        `record` is the Kafka record that could not be decoded, else (it was read; evaluating or
+        publishing it failed, or it is an assembled trace of many records) with its coordinates only."""
+        if record is None:
+            self.dead_letters.send(source=source, reason=reason, error=error, ticket=export, value=None,
+                                   count_record=count)
+        else:
+            self.dead_letters.send(source=source, reason=reason, error=error, ticket=export,
+                                   value=record.value, key=record.key, headers=record.headers,
+                                   timestamp_ms=record.timestamp, count_record=count)
