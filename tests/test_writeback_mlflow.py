@@ -250,7 +250,9 @@ def test_each_assessment_becomes_one_feedback_on_its_trace(mlflow_server: Mlflow
                                                   spans["chat gpt-4o"])
 
     grounded = by_name["groundedness"]
-    assert grounded["feedback"] == {"value": 0.75}  # a numeric judge keeps its number
+    # A heuristic verdict with a pass/fail decision is Pass/Fail too; its number is in metadata.
+    assert grounded["feedback"] == {"value": "yes"}
+    assert grounded["metadata"]["score"] == grounded["metadata"]["tracejudge.score"] == "0.75"
     assert grounded["source"] == {"source_type": "CODE", "source_id": "tracejudge.heuristic"}
     assert "span_id" not in grounded and "mlflow.assessment.judgeInputTokens" not in grounded["metadata"]
 
@@ -636,7 +638,8 @@ def test_tracejudge_run_then_sink_each_verdict_on_its_trace_once(judged: dict[st
             assert f.span_id == a.get("span_id")
             if a["name"] == "groundedness":
                 assert (f.source.source_type, f.source.source_id) == ("CODE", "tracejudge.heuristic")
-                assert f.value == a["value"]
+                assert f.value == ("yes" if a["passed"] else "no")  # Pass/Fail; the share in metadata
+                assert float(f.metadata["score"]) == a["score"]
             elif a["name"] == "relevance_to_query":
                 assert (f.source.source_type, f.source.source_id) == ("LLM_JUDGE", "stub:/judge-model")
                 assert f.value == "yes" and f.rationale == "The response answers the question."

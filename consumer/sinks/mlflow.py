@@ -10,8 +10,11 @@ What one assessment becomes:
 | tracejudge assessment | MLflow feedback |
 |---|---|
 | `name` | `assessment_name`, and metadata `mlflow.assessment.scorerName` |
-| `value` "yes"/"no" (or a bool) | `feedback.value` "yes"/"no": the MLflow UI renders Pass/Fail |
-| `value` a number (precision, 1–5 scale, heuristic share) | `feedback.value` that number |
+| `passed` true/false (LLM or heuristic; any `value` but a label) | `feedback.value` "yes"/"no": Pass/Fail |
+| `value` "yes"/"no" (or a bool), no `passed` | `feedback.value` "yes"/"no" |
+| `value` a number, no `passed` (a judge with no pass/fail) | `feedback.value` that number |
+| `value` a label ("unresolved") or a structure | `feedback.value` as it is (as MLflow's own judge) |
+| with `passed`: `score`, `threshold`, a `value` number | metadata `score`, `threshold`, `tracejudge.value` |
 | `score`, `passed` | metadata `tracejudge.score`, `tracejudge.passed` |
 | `error` "reason: detail" | `feedback.error` `{error_code: "REASON", error_message}`, no value |
 | `skipped` set | nothing is written (not counted: the judge side counts its skips) |
@@ -37,7 +40,9 @@ and model fingerprint; the assessment's `source` for a schema-1 result) and the 
 writing, the sink reads the batch's traces (`POST /api/3.0/mlflow/traces/batchGetInfos`, one request per
 100 traces; `GET /api/3.0/mlflow/traces/{id}` on a server without it) and skips every feedback whose key
 is already on its trace (`already_written`). A redelivered result adds nothing; a new judge version
-adds a new feedback beside the old one; other assessments (a human's) are never touched.
+adds a new feedback beside the old one; other assessments (a human's) are never touched. The key does
+not depend on the value's form: a verdict written before pass/fail verdicts became "yes"/"no" (its
+number as the value) is found by its key and left as it is, never written a second time.
 
 **Session results** (`"kind": "session"`, from the session results topic): each session judge's
 assessment becomes a feedback on the session's first trace, the chronologically first turn with an
@@ -198,9 +203,27 @@ def _text(value: Any) -> str:
     return str(value)
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_label(value: Any) -> bool:
+    """A judge's own category (user_frustration's "none"/"resolved"/"unresolved", as MLflow's own
+    judge writes it) or a custom judge's structure: shown as it is, never turned into yes/no."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("yes", "no")
+    return value is not None and not isinstance(value, bool | int | float)
+
+
 def _feedback_value(a: Mapping[str, Any]) -> tuple[bool, Any]:
-    """(has a value, the value MLflow gets)."""
+    """(has a value, the value MLflow gets). A verdict with a pass/fail decision (`passed` set) is
+    "yes"/"no", as MLflow's judges write theirs (the UI shows Pass/Fail and `feedback.<name> = 'no'`
+    finds the failures), whatever its number: a heuristic's 0.33 that fails and a 0.5 that passes must
+    not look alike. Its number goes in metadata (`_verdict_metadata`). Only a judge without a pass/fail
+    decision (and a metric) keeps a number; a label or structure is shown as it is."""
     value, passed, score = a.get("value"), a.get("passed"), a.get("score")
+    if isinstance(passed, bool) and not _is_label(value):
+        return True, "yes" if passed else "no"
     if isinstance(value, bool):
         return True, "yes" if value else "no"
     if isinstance(value, str) and value.strip().lower() in ("yes", "no"):
@@ -209,11 +232,27 @@ def _feedback_value(a: Mapping[str, Any]) -> tuple[bool, Any]:
         return True, value if math.isfinite(value) else str(value)
     if value is not None:
         return True, value  # text or a structure from a custom judge: as it is
-    if isinstance(passed, bool):
-        return True, "yes" if passed else "no"
-    if isinstance(score, int | float) and not isinstance(score, bool) and math.isfinite(score):
+    if _number(score):
         return True, score
     return False, None
+
+
+def _verdict_metadata(a: Mapping[str, Any]) -> dict[str, str]:
+    """The numbers behind a pass/fail verdict, under the keys MLflow's own pass/fail scorers use
+    (`score`, `threshold`: its deepeval, ragas and trulens scorers write value yes/no with these):
+    `score` the judge's [0, 1] score, `threshold` the one the verdict applied when the result states
+    it, and `tracejudge.value` the judge's own number when it is on another scale (4 on a 1-5 scale)."""
+    if not isinstance(a.get("passed"), bool):
+        return {}
+    out: dict[str, str] = {}
+    value, score = a.get("value"), a.get("score")
+    if _number(score):
+        out["score"] = _text(score)
+    if _number(a.get("threshold")):
+        out["threshold"] = _text(a["threshold"])
+    if _number(value) and (not _number(score) or value != score):
+        out["tracejudge.value"] = _text(value)
+    return out
 
 
 def _source(a: Mapping[str, Any]) -> dict[str, str]:
@@ -396,6 +435,8 @@ class _Mapper:
                 metadata[meta] = _text(v)
         if judge_version:
             metadata["tracejudge.judgeVersion"] = judge_version
+        if not error:
+            metadata.update(_verdict_metadata(a))
         metadata["tracejudge.key"] = key
         body["metadata"] = metadata
         try:
