@@ -11,11 +11,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import orjson
 import pytest
+
+from tests.support.kafka import wait_until
 
 TRACEJUDGE = str(Path(sys.executable).parent / "tracejudge")
 TRUST = Path(__file__).resolve().parents[1] / "metrics" / "judges" / "trust"
@@ -320,10 +321,11 @@ def test_an_interrupted_run_exits_130_and_leaves_the_previous_output(tmp_path):
     proc.stdin.write(jsonl(50))
     proc.stdin.flush()
     # The run is under way (stdin still open) once its temporary output exists beside the target.
-    deadline = time.monotonic() + 60
-    while not [p for p in tmp_path.iterdir() if p.name.startswith(".out.jsonl.")]:
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.02)
+    def under_way() -> bool:
+        assert proc.poll() is None, "the run ended before it was interrupted"
+        return any(p.name.startswith(".out.jsonl.") for p in tmp_path.iterdir())
+
+    wait_until(under_way, 60, message="the temporary output beside out.jsonl")
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == INTERRUPTED, stderr.decode()
