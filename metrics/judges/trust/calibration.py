@@ -17,9 +17,11 @@ correct a pass rate.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -167,6 +169,14 @@ def save(path: str | os.PathLike[str], calibrations: CalibrationFile) -> None:
     for versions in calibrations.judges.values():
         for c in versions.values():
             merged.put(c)
-    tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(json.dumps(merged.to_json(), indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, target)
+    # A temporary file of its own beside the target (two writers never share one), removed if the
+    # write fails, so a failed save leaves the previous file and no stray temporary.
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(json.dumps(merged.to_json(), indent=1) + "\n")
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
