@@ -268,7 +268,7 @@ def test_backfill_serves_its_progress_on_metrics_port(broker: LocalBroker, stub:
     assert len(read_topic(broker.bootstrap_servers, results, at_least=len(rows))) == len(rows)
 
 
-def test_backfill_on_a_taken_port_it_was_asked_for_exits_1_naming_it(
+def test_backfill_on_a_taken_port_it_was_asked_for_exits_4_naming_it(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "tracejudge.yaml"
     config.write_text(json.dumps({"stream": {"topics": ["in"], "results_topic": "out"}, "judges": {}}))

@@ -23,7 +23,7 @@ from tracejudge.consumer.runtime.arguments import (
     add_stage_arguments,
     with_command_port,
 )
-from tracejudge.consumer.runtime.exit_status import SERVICE_FAILED
+from tracejudge.consumer.runtime.exit_status import INTERRUPTED, SERVICE_FAILED
 from tracejudge.consumer.runtime.logs import configure_logging
 from tracejudge.consumer.runtime.loop import ConsumerRuntime
 from tracejudge.schemas.errors import StartupError
@@ -44,7 +44,7 @@ def run_until_signalled(runtime: ConsumerRuntime) -> int:
         signals["n"] += 1
         if signals["n"] > 1:
             log.error("second %s: exiting now without committing", signal.Signals(signum).name)
-            os._exit(1)
+            os._exit(INTERRUPTED)  # interrupted: nothing past the last commit is committed
         log.info("%s received: stopping", signal.Signals(signum).name)
         runtime.stop()
 
