@@ -110,6 +110,10 @@ class EvalRecord(msgspec.Struct):
     # None above): a negative or non-finite duration, a root span ending before it starts, a negative
     # token count, spans whose parents loop. None when there was nothing to set aside.
     warnings: list[str] | None = None
+    # The app's version (release) as the trace states it: OTel `service.version`, `gen_ai.agent.version`,
+    # MLflow's version tags, an inference-log or agent-eval `version` column, or the tag
+    # `stream.version_tag` names; None when absent, never guessed. Schema 6.
+    version: str | None = None
 
 
 def add_warning(record: EvalRecord, reason: str) -> None:

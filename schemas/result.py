@@ -105,7 +105,8 @@ _ENCODER = msgspec.json.Encoder(enc_hook=str)
 # (`"kind": "session"`, `tracejudge.schemas.session`) on the session results topic.
 # 4: the record's `human_labels`, `model_usage`, `cost`; each assessment's `shadow_of`, `cost_usd`,
 # `redacted`; the result's `backfill`. 5: the record's `warnings` (values set aside as impossible).
-SCHEMA_VERSION = 5
+# 6: the record's `version` (the app's release); each assessment's `threshold`.
+SCHEMA_VERSION = 6
 _VERSION_PREFIX = b'{"schema_version":%d,' % SCHEMA_VERSION
 
 # The source formats whose trace MLflow stores under "tr-" + the 32-hex OpenTelemetry trace id: MLflow 3
@@ -189,6 +190,8 @@ class Assessment:
     shadow_of: str | None = None
     cost_usd: float | None = None
     redacted: bool | None = None
+    # Schema 6. The threshold `passed` applied to `score` (None: the judge states none, or no verdict).
+    threshold: float | None = None
 
     @property
     def status(self) -> str:

@@ -267,7 +267,7 @@ def test_the_otlp_sink_writes_nothing_for_a_shadow_assessment() -> None:
         return {"name": name, "value": "yes", "score": 1.0, "passed": True, "rationale": "ok",
                 "error": None, "skipped": None, "source": "llm:m", "shadow_of": shadow_of}
 
-    result = {"schema_version": 5, "trace_id": "ab" * 16, "app": "shop",
+    result = {"schema_version": 6, "trace_id": "ab" * 16, "app": "shop",
               "assessments": [assessment("relevance_to_query", None),
                               assessment("relevance_v2", "relevance_to_query")]}
     with OtlpReceiver() as rx:

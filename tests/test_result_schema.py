@@ -28,7 +28,7 @@ from tracejudge.schemas.result import (
 FIXTURES = Path(__file__).parent / "fixtures"
 ASSESSMENT_FIELDS = ["name", "value", "score", "passed", "rationale", "error", "skipped", "source",
                      "duration_seconds", "judge", "span_id", "input_tokens", "output_tokens",
-                     "sample_rate", "shadow_of", "cost_usd", "redacted"]
+                     "sample_rate", "shadow_of", "cost_usd", "redacted", "threshold"]
 
 
 def test_to_json_is_the_documented_flat_shape():
@@ -47,7 +47,7 @@ def test_to_json_is_the_documented_flat_shape():
     record_fields = list(EvalRecord.__struct_fields__)
     assert list(out) == ["schema_version", *record_fields, "mlflow_trace_id", "source", "metrics",
                          "metric_errors", "assessments"]
-    assert out["schema_version"] == SCHEMA_VERSION == 5
+    assert out["schema_version"] == SCHEMA_VERSION == 6
     assert out["session_id"] is None and out["user_id"] is None
     assert out["mlflow_trace_id"] is None  # "t" came from no trace format
     assert out["source"]["offset"] == 41 and out["tokens"] == {"input": 1, "output": 2, "total": 3}
@@ -121,7 +121,7 @@ def test_a_results_line_round_trips():
 
 def test_the_version_rule():
     line = orjson.loads(full_result().to_json())
-    assert schema_version_of(line) == 5
+    assert schema_version_of(line) == 6
     # A version 3 line (no labels, cost, shadow or backfill fields) still reads, with those None.
     v3 = {k: v for k, v in line.items() if k not in ("human_labels", "model_usage", "cost", "backfill")}
     v3["schema_version"] = 3
@@ -148,8 +148,8 @@ def test_the_version_rule():
     assert old.assessments[0].judge is None and old.assessments[0].input_tokens is None
     assert old.mlflow_trace_id == "tr-fbc0f5ad6ca73f8513acf8d6068d4397"  # recomputed from the record
     # A newer version than this reader knows is refused, not half-read.
-    with pytest.raises(ValueError, match="schema_version 6 is newer than this reader's 5"):
-        EvaluationResult.from_dict({**line, "schema_version": 6})
+    with pytest.raises(ValueError, match="schema_version 7 is newer than this reader's 6"):
+        EvaluationResult.from_dict({**line, "schema_version": 7})
     for bad in ("4", 4.0, True, 0, None):
         with pytest.raises(ValueError, match="schema_version must be a positive integer"):
             schema_version_of({"schema_version": bad})
@@ -227,7 +227,7 @@ def test_eval_writes_version_3_lines_with_the_mlflow_trace_id_of_each_format(tmp
     lines = [x for x in map(orjson.loads, proc.stdout.splitlines()) if x.get("kind") != "session"]
     by_format = {x["source_format"]: x for x in lines}
     assert sorted(by_format) == ["agent_eval", "mlflow_v2", "mlflow_v3", "otlp_json"]
-    assert all(x["schema_version"] == 5 for x in lines)
+    assert all(x["schema_version"] == 6 for x in lines)
     # The OTel producer's root span states `session.id`; the others state no conversation, and
     # none states a user: nothing is guessed.
     assert {f: x["session_id"] for f, x in by_format.items()} == {

@@ -331,7 +331,7 @@ def test_eval_writes_session_and_user_of_every_format(tmp_path):
         json.dumps({"request_id": "row-2", "request": "No session?", "response": "None."}),
     ]) + "\n")
     lines = _eval(src)
-    assert all(x["schema_version"] == 5 for x in lines)
+    assert all(x["schema_version"] == 6 for x in lines)
     got = {x["request"]: (x["session_id"], x["user_id"]) for x in lines}
     assert got == {"Turn one?": ("m-s", "m-u"), "Alone?": (None, None), "Turn two?": ("o-s", None),
                    "Turn three?": ("a-s", "a-u"), "Turn four?": ("5", None), "No session?": (None, None)}

@@ -143,7 +143,7 @@ def test_sessions_from_real_traces_through_run_and_the_session_stage(broker: Loc
         by_session: dict[str, set[int]] = defaultdict(set)
         for message in read_topic(bs, results, at_least=len(mlflow_lines) + 4):
             line = json.loads(message.value)
-            assert line["schema_version"] == 5
+            assert line["schema_version"] == 6
             by_session[line["session_id"]].add(message.partition)
             assert message.key == line["session_id"].encode()
         assert all(len(parts) == 1 for parts in by_session.values()), by_session

@@ -100,7 +100,7 @@ def ours(assessments: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def result_for(trace_id: str, assessments: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     """A schema-3 result line for an MLflow trace id (the shape `tracejudge run` publishes)."""
-    return {"schema_version": 5, "request_id": trace_id.removeprefix("tr-"),
+    return {"schema_version": 6, "request_id": trace_id.removeprefix("tr-"),
             "trace_id": trace_id.removeprefix("tr-"), "mlflow_trace_id": trace_id,
             "session_id": None, "user_id": None,
             "source_format": "otlp_proto",
