@@ -43,9 +43,11 @@ UNKNOWN_FORMAT: Final = "unknown_format"
 INVALID_RECORD: Final = "invalid_record"
 TOO_LARGE: Final = "too_large"
 NOT_UTF8: Final = "not_utf8"
+# A logs record with a `gen_ai.evaluation.result` event that cannot be read (its other events are read).
+INVALID_EVALUATION_EVENT: Final = "invalid_evaluation_event"
 
 REASONS: Final = frozenset({INVALID_JSON, INVALID_PROTOBUF, UNKNOWN_FORMAT, INVALID_RECORD, TOO_LARGE,
-                            NOT_UTF8})
+                            NOT_UTF8, INVALID_EVALUATION_EVENT})
 
 
 class RecordError(ValueError):

@@ -21,7 +21,8 @@ import msgspec
 from tracejudge.schemas.trace import Document, TokenUsage
 
 __all__ = ["ANOMALIES", "END_BEFORE_START", "NEGATIVE_DURATION", "NEGATIVE_TOKENS", "NON_FINITE",
-           "PARENT_CYCLE", "Cost", "Document", "EvalRecord", "HumanLabel", "TokenUsage", "ToolCall",
+           "PARENT_CYCLE", "TOOL_ERROR_MAX_CHARS", "Cost", "Document", "EvalRecord", "HumanLabel",
+           "TokenUsage", "ToolCall",
            "add_warning", "python_json", "with_valid_text"]
 
 # Why a record's value was set aside as impossible (`EvalRecord.warnings`, the `reason` label of
@@ -36,11 +37,22 @@ PARENT_CYCLE = "parent_cycle"  # the spans' parents loop (a -> b -> a): the trac
 ANOMALIES = (NEGATIVE_DURATION, END_BEFORE_START, NON_FINITE, NEGATIVE_TOKENS, PARENT_CYCLE)
 
 
+# A tool call's error text longer than this is cut (a stack trace must not bloat every result line).
+TOOL_ERROR_MAX_CHARS = 300
+
+
 class ToolCall(msgspec.Struct, gc=False):
-    """One step of a trajectory. Two calls are equal when name and input are equal."""
+    """One step of a trajectory. Two calls are equal when name, input and error are equal (the
+    trajectory metrics and judges compare name and input only).
+
+    `error` (schema 6): why the call failed, as the trace states it (the tool span's exception event,
+    else its ERROR status message; an agent-eval row's `error`), cut to `TOOL_ERROR_MAX_CHARS`; None
+    when the call succeeded or the source does not say (a stated trajectory, a model's requested
+    call). A line of schema 5 or older has no `error`: it reads as None."""
 
     tool_name: str
     tool_input: Any = None
+    error: str | None = None
 
 
 class HumanLabel(msgspec.Struct, gc=False):
@@ -114,6 +126,9 @@ class EvalRecord(msgspec.Struct):
     # MLflow's version tags, an inference-log or agent-eval `version` column, or the tag
     # `stream.version_tag` names; None when absent, never guessed. Schema 6.
     version: str | None = None
+    # The largest tool result of the trace, in characters of its text as stated (`Span.output_chars`);
+    # None when no tool span states one. What `signal_tool_result_oversized` compares. Schema 6.
+    max_tool_result_chars: int | None = None
 
 
 def add_warning(record: EvalRecord, reason: str) -> None:

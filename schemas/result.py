@@ -105,7 +105,8 @@ _ENCODER = msgspec.json.Encoder(enc_hook=str)
 # (`"kind": "session"`, `tracejudge.schemas.session`) on the session results topic.
 # 4: the record's `human_labels`, `model_usage`, `cost`; each assessment's `shadow_of`, `cost_usd`,
 # `redacted`; the result's `backfill`. 5: the record's `warnings` (values set aside as impossible).
-# 6: the record's `version` (the app's release); each assessment's `threshold`.
+# 6: the record's `version` (the app's release); each assessment's `threshold`; each trajectory call's
+# `error` (why the tool call failed).
 SCHEMA_VERSION = 6
 _VERSION_PREFIX = b'{"schema_version":%d,' % SCHEMA_VERSION
 

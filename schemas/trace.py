@@ -49,11 +49,15 @@ class TokenUsage(msgspec.Struct, gc=False):
     input: int | None = None
     output: int | None = None
     total: int | None = None
+    # Input tokens read from the provider's prompt cache, part of `input` (OTel
+    # `gen_ai.usage.cache_read.input_tokens`, OpenAI `prompt_tokens_details.cached_tokens`, MLflow
+    # `cache_read_input_tokens`); None when the trace does not say. Schema 6.
+    cached_input: int | None = None
 
     def with_total(self) -> TokenUsage:
         """Fill `total` from input + output when only the parts were stated."""
         if self.total is None and self.input is not None and self.output is not None:
-            return TokenUsage(self.input, self.output, self.input + self.output)
+            return TokenUsage(self.input, self.output, self.input + self.output, self.cached_input)
         return self
 
 
@@ -89,6 +93,9 @@ class Span(msgspec.Struct, gc=False):
     documents: list[Document] | None = None
     tool_name: str | None = None
     attributes: dict[str, Any] = msgspec.field(default_factory=dict)
+    # A TOOL span's result as stated, its length in characters (the text of `mlflow.spanOutputs`,
+    # `output.value`, `gen_ai.tool.call.result`, `traceloop.entity.output`); None when not text.
+    output_chars: int | None = None
 
 
 class Trace(msgspec.Struct, gc=False):
@@ -115,5 +122,7 @@ class Trace(msgspec.Struct, gc=False):
     # metadata, span attributes, or the tag `stream.session_tag` names): `EvalRecord.session_id`.
     session_id: str | None = None
     user_id: str | None = None
+    # The app's release as the source states it (`release_version`): `EvalRecord.version`.
+    version: str | None = None
     # People's verdicts on the trace (MLflow HUMAN feedback): `HumanLabel`s (`EvalRecord.human_labels`).
     human_labels: list[Any] | None = None

@@ -3,9 +3,10 @@
 The Databricks Agent Evaluation / `mlflow.evaluate` row: `request`, `response`,
 `retrieved_context`, `expected_response`, `expected_retrieved_context`, `expected_facts`,
 `guidelines`, `reference_trajectory`, `session_id`, `user_id` and optionally the MLflow `trace` of
-the request. MLflow 3's `mlflow.genai.evaluate` rows (`inputs`, `outputs`, `expectations`) are read
-the same way. What the record states wins over what is derived from its trace. A record must state
-its request (or `inputs`) or carry a trace; one with neither is rejected, naming `request`.
+the request; a collected row (`collected.py`) also states its `trace_id` and `trajectory`.
+MLflow 3's `mlflow.genai.evaluate` rows (`inputs`, `outputs`, `expectations`) are read the same way.
+What the record states wins over what is derived from its trace. A record must state its request
+(or `inputs`) or carry a trace; one with neither is rejected, naming `request`.
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ def is_agent_eval_record(obj: Mapping[str, Any]) -> bool:
 
 
 def normalise_agent_eval(obj: Mapping[str, Any], *, app_tag: str | None = None,
-                         session_tag: str | None = None) -> EvalRecord:
+                         session_tag: str | None = None, version_tag: str | None = None) -> EvalRecord:
     """One agent-evaluation record -> `EvalRecord`; raises `RecordError` naming the bad field.
 
     Session and user: the row's `session_id`/`user_id`, else its trace's. `session_tag` names a
     field of the row, a key of its `tags` or a tag/metadata key of its trace whose value is the
-    session id over those."""
+    session id over those. Version likewise: the `version_tag` field or `tags` key, the `version`
+    column, the trace's version (`release_version`)."""
     try:
         row = AgentEvalRecord.model_validate(obj)
     except ValidationError as exc:
@@ -52,7 +54,8 @@ def normalise_agent_eval(obj: Mapping[str, Any], *, app_tag: str | None = None,
                           "or mlflow.genai.evaluate's inputs)", "request")
 
     tags = {k: v for k, v in (row.tags or {}).items() if isinstance(v, str)}
-    stated = EvalRecord(request_id=row.request_id, source_format="agent_eval", tags=tags)
+    stated = EvalRecord(request_id=row.request_id, trace_id=row.trace_id or None, source_format="agent_eval",
+                        tags=tags)
     if app_tag:
         app = obj.get(app_tag)
         stated.app = app if isinstance(app, str) and app else tags.get(app_tag)
@@ -67,6 +70,10 @@ def normalise_agent_eval(obj: Mapping[str, Any], *, app_tag: str | None = None,
             tagged = identity(row.tags.get(session_tag))
     if tagged is not None:
         stated.session_id = tagged
+    tagged_version = None
+    if version_tag:
+        tagged_version = identity(obj.get(version_tag)) or identity((row.tags or {}).get(version_tag))
+    stated.version = tagged_version or identity(row.version)
 
     request = obj.get("request")
     stated.request = request_text(request if request is not None else row.inputs)
@@ -84,6 +91,10 @@ def normalise_agent_eval(obj: Mapping[str, Any], *, app_tag: str | None = None,
         guidelines = row.guidelines
         stated.guidelines = (list(guidelines) if isinstance(guidelines, list)
                              else [g for group in guidelines.values() for g in group])
+    if row.trajectory is not None:
+        # A collected row's tool calls (`collected.py`): what the app did, for the trajectory metrics.
+        stated.trajectory = [ToolCall(step.tool_name, step.tool_input, step.error_text())
+                             for step in row.trajectory]
     if row.reference_trajectory is not None:
         stated.reference_trajectory = [ToolCall(step.tool_name, step.tool_input or None)
                                        for step in row.reference_trajectory]
@@ -95,12 +106,16 @@ def normalise_agent_eval(obj: Mapping[str, Any], *, app_tag: str | None = None,
     if trace_obj is None:
         return stated
     if isinstance(trace_obj, str):
-        trace = parse_trace_json(trace_obj, app_tag=app_tag, field="trace", session_tag=session_tag)
+        trace = parse_trace_json(trace_obj, app_tag=app_tag, field="trace", session_tag=session_tag,
+                                 version_tag=version_tag)
     else:
         trace = parse_trace(trace_obj, app_tag=app_tag, field="trace", everything=False,
-                            session_tag=session_tag)
+                            session_tag=session_tag, version_tag=version_tag)
     record = merge(stated, derive(trace))
     if session_tag and tagged is None:
         # The tag the configuration names wins over the row's own column, wherever it is stated.
         record.session_id = tagged_identity(trace, session_tag) or record.session_id
+    if version_tag and tagged_version is None:
+        # As the session: the named tag, on the trace, wins over the row's `version` column.
+        record.version = tagged_identity(trace, version_tag) or record.version
     return record

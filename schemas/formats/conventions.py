@@ -73,6 +73,10 @@ _INPUT_TOKENS: Final = ("gen_ai.usage.input_tokens", "llm.token_count.prompt", "
 _OUTPUT_TOKENS: Final = ("gen_ai.usage.output_tokens", "llm.token_count.completion",
                          "gen_ai.usage.completion_tokens", "llm.usage.completion_tokens")
 _TOTAL_TOKENS: Final = ("llm.token_count.total", "gen_ai.usage.total_tokens", "llm.usage.total_tokens")
+# Input tokens read from the prompt cache (part of the input tokens): the GenAI conventions' name, its
+# name before the rename, OpenInference's.
+_CACHED_TOKENS: Final = ("gen_ai.usage.cache_read.input_tokens", "gen_ai.usage.cache_read_input_tokens",
+                         "llm.token_count.prompt_details.cache_read")
 
 # Payload attributes moved into Span.inputs/outputs/documents; dropping them from Span.attributes keeps
 # an open trace's memory at one copy of its payloads.
@@ -155,6 +159,21 @@ def _read_convention(span: Span, attrs: dict[str, Any], flat: dict[str, Any],
         name = str(tool) if tool is not None else span.name
         # OpenInference's DSPy instrumentation names a tool span after the call: `weather.__call__`.
         span.tool_name = name.removesuffix(".__call__") or name
+        span.output_chars = _output_chars(attrs)
+
+
+# A tool's result as text, by preference: what `signal_tool_result_oversized` measures.
+_TOOL_RESULT_KEYS: Final = ("mlflow.spanOutputs", "gen_ai.tool.call.result", "tool_response", "output.value",
+                            "traceloop.entity.output")
+
+
+def _output_chars(attrs: Mapping[str, Any]) -> int | None:
+    """The length of a tool span's result text (`Span.output_chars`); None when it states none."""
+    for key in _TOOL_RESULT_KEYS:
+        value = attrs.get(key)
+        if type(value) is str and value:
+            return len(value)
+    return None
 
 
 def _kind(attrs: Mapping[str, Any]) -> SpanKind:
@@ -539,12 +558,13 @@ def _token_usage(attrs: Mapping[str, Any]) -> TokenUsage | None:
         usage = strict_json(mlflow)
         if isinstance(usage, Mapping):
             return TokenUsage(_int(usage.get("input_tokens")), _int(usage.get("output_tokens")),
-                              _int(usage.get("total_tokens"))).with_total()
+                              _int(usage.get("total_tokens")),
+                              _int(usage.get("cache_read_input_tokens"))).with_total()
     found = [_first_int(attrs, _INPUT_TOKENS), _first_int(attrs, _OUTPUT_TOKENS),
              _first_int(attrs, _TOTAL_TOKENS)]
     if found == [None, None, None]:
         return None
-    return TokenUsage(*found).with_total()
+    return TokenUsage(*found, _first_int(attrs, _CACHED_TOKENS)).with_total()
 
 
 def _first_int(attrs: Mapping[str, Any], keys: Iterable[str]) -> int | None:

@@ -51,6 +51,7 @@ from tracejudge.schemas.record import (
     NEGATIVE_TOKENS,
     NON_FINITE,
     PARENT_CYCLE,
+    TOOL_ERROR_MAX_CHARS,
     EvalRecord,
     ToolCall,
     add_warning,
@@ -70,6 +71,7 @@ __all__ = [
     "requested_tool_calls",
     "root_span",
     "stated_latency",
+    "tool_error",
     "top_level_retrievers",
 ]
 
@@ -243,6 +245,17 @@ def root_span(spans: Iterable[Span]) -> Span | None:
     for span in spans:
         if span.parent_id is None:
             return span
+    return None
+
+
+def tool_error(exception: str | None, in_error: bool, status_message: str, name: str) -> str | None:
+    """A tool call's `ToolCall.error` from its span: the exception event's text, else the ERROR
+    status's message (else that the status is ERROR); None for a span not in error. Cut to
+    `TOOL_ERROR_MAX_CHARS`. The MLflow wire reader calls it with its raw span's parts."""
+    if exception:
+        return exception[:TOOL_ERROR_MAX_CHARS]
+    if in_error:
+        return (status_message or f"span {name!r} status is ERROR")[:TOOL_ERROR_MAX_CHARS]
     return None
 
 
@@ -505,7 +518,9 @@ def derive(trace: Trace) -> EvalRecord:
     tools = [s for s in spans if s.kind == _TOOL]
     if len(tools) > 1:
         tools.sort(key=_start)
-    trajectory = [ToolCall(s.tool_name or s.name, s.inputs or None) for s in tools]
+    trajectory = [ToolCall(s.tool_name or s.name, s.inputs or None,
+                           tool_error(s.exception, s.status == _ERROR, s.status_message, s.name)
+                           if s.exception or s.status == _ERROR else None) for s in tools]
     if trace.source_format in _OTLP_FORMATS:
         if not tools:
             trajectory = requested_tool_calls(spans)
@@ -521,13 +536,20 @@ def derive(trace: Trace) -> EvalRecord:
         calls = one_model_calls(calls, tokens)
     root = root_span(spans)
     cycle = root is None and bool(spans) and has_parent_cycle(spans, _span_id, _parent_id)
-    return derived_record(trace, root, retrieved, trajectory, tokens, spans, calls, cycle=cycle)
+    return derived_record(trace, root, retrieved, trajectory, tokens, spans, calls, cycle=cycle,
+                          tool_chars=max_output_chars(tools))
+
+
+def max_output_chars(tools: list[Span]) -> int | None:
+    """The largest `output_chars` of the tool spans; None when none states its result as text."""
+    sizes = [s.output_chars for s in tools if s.output_chars is not None]
+    return max(sizes) if sizes else None
 
 
 def derived_record(trace: Trace, root: Span | None, retrieved: list[Document] | None,
                    trajectory: list[ToolCall], tokens: TokenUsage | None,
                    spans: list[Span] | None = None, calls: list[ModelCall] | None = None, *,
-                   cycle: bool = False) -> EvalRecord:
+                   cycle: bool = False, tool_chars: int | None = None) -> EvalRecord:
     """The record of `trace` once its spans are read: its root span (the first without a parent),
     the documents of its top-level retrievers in start order (None when it has no retriever), its
     tool calls in start order, its token usage and the model calls whose usage counts (`calls`:
@@ -535,7 +557,8 @@ def derived_record(trace: Trace, root: Span | None, retrieved: list[Document] | 
     reads them from `trace.spans`; the msgspec reader of MLflow JSON
     (`tracejudge.schemas.formats.mlflow_wire`) gathers them while it reads the spans, without building the
     others, and only `trace`'s other fields are read here. `cycle`: the spans' parents loop
-    (`has_parent_cycle`), named in the record's warnings.
+    (`has_parent_cycle`), named in the record's warnings. `tool_chars`: the largest tool result's
+    length (`max_output_chars`).
 
     What time or counts cannot be (a negative or non-finite duration, a root ending before it
     starts, a negative token count) is None and named in `EvalRecord.warnings`."""
@@ -579,7 +602,9 @@ def derived_record(trace: Trace, root: Span | None, retrieved: list[Document] | 
         session_id=trace.session_id,
         user_id=trace.user_id,
         human_labels=trace.human_labels,
+        version=trace.version,
     )
+    record.max_tool_result_chars = tool_chars
     if anomaly is not None:
         add_warning(record, anomaly)
     if anomaly_tokens:

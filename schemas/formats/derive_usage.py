@@ -80,10 +80,10 @@ def usage_sum(counted: list[Span]) -> TokenUsage | None:
         if usage is None:
             continue
         if total is None:
-            total = TokenUsage(usage.input, usage.output, usage.total)
+            total = TokenUsage(usage.input, usage.output, usage.total, usage.cached_input)
         else:
             total = TokenUsage(_add(total.input, usage.input), _add(total.output, usage.output),
-                               _add(total.total, usage.total))
+                               _add(total.total, usage.total), _add(total.cached_input, usage.cached_input))
     return total.with_total() if total is not None else None
 
 
@@ -130,16 +130,17 @@ def model_usage_and_cost(calls: list[ModelCall]) -> tuple[dict[str, TokenUsage] 
     every_cost = True
     for model, usage, stated in calls:
         if model is not None and usage is not None:
-            i, o, t = usage.input, usage.output, usage.total
+            i, o, t, c = usage.input, usage.output, usage.total, usage.cached_input
             if t is None and i is not None and o is not None:
                 t = i + o
             if sums is None:
                 sums = {}
             had = sums.get(model)
             if had is None:
-                sums[model] = [i, o, t]
+                sums[model] = [i, o, t, c]
             else:
                 had[0], had[1], had[2] = _add(had[0], i), _add(had[1], o), _add(had[2], t)
+                had[3] = _add(had[3], c)
         if stated is None:
             every_cost = False
         elif every_cost:
@@ -168,5 +169,6 @@ def stated_cost(parts: tuple[float | None, float | None, float | None]) -> Cost:
 
 def has_negative_tokens(tokens: TokenUsage) -> bool:
     """A token count below zero: the usage is set aside (`NEGATIVE_TOKENS`) rather than summed."""
-    inp, out, total = tokens.input, tokens.output, tokens.total
-    return (inp is not None and inp < 0) or (out is not None and out < 0) or (total is not None and total < 0)
+    inp, out, total, cached = tokens.input, tokens.output, tokens.total, tokens.cached_input
+    return ((inp is not None and inp < 0) or (out is not None and out < 0)
+            or (total is not None and total < 0) or (cached is not None and cached < 0))

@@ -105,16 +105,18 @@ def detect(obj: Mapping[str, Any]) -> str:
 
 
 def normalise(payload: bytes | str | Mapping[str, Any], fmt: str | None = None, *,
-              app_tag: str | None = None, session_tag: str | None = None) -> EvalRecord:
+              app_tag: str | None = None, session_tag: str | None = None,
+              version_tag: str | None = None) -> EvalRecord:
     """Decode one record and normalise it into an `EvalRecord`.
 
     `fmt` is None/"auto" (detect per record), "agent_eval", "mlflow" or "inference_log".
     `app_tag` names a tag/metadata key (or a top-level field) whose value is the record's app;
-    `session_tag` likewise its session id, over what the format's conventions state.
+    `session_tag` likewise its session id and `version_tag` its version (the app's release), over what
+    the format's conventions state.
     Every problem with the record raises `RecordError` naming the field; an unknown `fmt` is a
     programming error (`ValueError`).
     """
-    record = _normalise(payload, fmt or "auto", app_tag, session_tag)
+    record = _normalise(payload, fmt or "auto", app_tag, session_tag, version_tag)
     # Decoded JSON never holds a lone surrogate (see `python_json`); Python objects might.
     # (bytes first: the ABC check costs more than some of the parsing.)
     if type(payload) is bytes or not isinstance(payload, Mapping):
@@ -123,7 +125,7 @@ def normalise(payload: bytes | str | Mapping[str, Any], fmt: str | None = None, 
 
 
 def _normalise(payload: bytes | str | Mapping[str, Any], fmt: str, app_tag: str | None,
-               session_tag: str | None) -> EvalRecord:
+               session_tag: str | None, version_tag: str | None = None) -> EvalRecord:
     if fmt not in FORMATS:
         if fmt in SPAN_FORMATS:
             raise RecordError(errors.UNKNOWN_FORMAT, f"{fmt} records are spans: they are assembled into "
@@ -133,7 +135,8 @@ def _normalise(payload: bytes | str | Mapping[str, Any], fmt: str, app_tag: str 
         # Most records of a trace stream are MLflow 3 traces as `Trace.to_json()` writes them; read
         # from the bytes, their large unread payloads are never decoded (~2x less decoding work).
         try:
-            record = derive_canonical_json(payload, app_tag=app_tag, session_tag=session_tag)
+            record = derive_canonical_json(payload, app_tag=app_tag, session_tag=session_tag,
+                                           version_tag=version_tag)
         except _PARSER_BUGS as exc:
             raise _bug(exc) from exc
         if record is not None:
@@ -142,10 +145,11 @@ def _normalise(payload: bytes | str | Mapping[str, Any], fmt: str, app_tag: str 
     kind = detect(obj) if fmt == "auto" else fmt
     try:
         if kind == "mlflow":
-            return derive(parse_trace(obj, app_tag=app_tag, everything=False, session_tag=session_tag))
+            return derive(parse_trace(obj, app_tag=app_tag, everything=False, session_tag=session_tag,
+                                      version_tag=version_tag))
         if kind == "inference_log":
-            return normalise_row(obj, app_tag=app_tag, session_tag=session_tag)
-        return normalise_agent_eval(obj, app_tag=app_tag, session_tag=session_tag)
+            return normalise_row(obj, app_tag=app_tag, session_tag=session_tag, version_tag=version_tag)
+        return normalise_agent_eval(obj, app_tag=app_tag, session_tag=session_tag, version_tag=version_tag)
     except RecordError:
         raise
     except _PARSER_BUGS as exc:

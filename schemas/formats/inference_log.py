@@ -26,7 +26,7 @@ from tracejudge.schemas.formats.mlflow import parse_trace, tagged_identity
 from tracejudge.schemas.formats.mlflow_wire import parse_trace_json
 from tracejudge.schemas.formats.session_identity import identity
 from tracejudge.schemas.record import NEGATIVE_TOKENS, EvalRecord, add_warning, python_json
-from tracejudge.schemas.trace import TokenUsage
+from tracejudge.schemas.trace import TokenUsage, Trace
 
 __all__ = ["is_inference_log_row", "normalise_row"]
 
@@ -80,10 +80,20 @@ def _usage(body: Any) -> TokenUsage | None:
         return None
 
     tokens = TokenUsage(pick("prompt_tokens", "input_tokens"), pick("completion_tokens", "output_tokens"),
-                        pick("total_tokens"))
+                        pick("total_tokens"), _cached_tokens(usage))
     if tokens.input is None and tokens.output is None and tokens.total is None:
         return None
     return tokens.with_total()
+
+
+def _cached_tokens(usage: dict[str, Any]) -> int | None:
+    """OpenAI's cached prompt tokens: `prompt_tokens_details.cached_tokens` (chat completions) or
+    `input_tokens_details.cached_tokens` (the Responses API)."""
+    for key in ("prompt_tokens_details", "input_tokens_details"):
+        details = usage.get(key)
+        if isinstance(details, dict) and type(details.get("cached_tokens")) is int:
+            return details["cached_tokens"]
+    return None
 
 
 def _error_message(body: Any) -> str | None:
@@ -99,12 +109,13 @@ def _error_message(body: Any) -> str | None:
 
 
 def normalise_row(obj: Mapping[str, Any], *, app_tag: str | None = None,
-                  session_tag: str | None = None) -> EvalRecord:
+                  session_tag: str | None = None, version_tag: str | None = None) -> EvalRecord:
     """One inference-log row -> `EvalRecord`; raises `RecordError` naming the field that is wrong.
 
     Session and user: the row's `session_id`/`user_id` columns, else its trace's metadata.
     `session_tag` names a column of the row or a tag/metadata key of its trace whose value is the
-    session id over those."""
+    session id over those. Version likewise (`release_version`): the `version_tag` column or trace tag,
+    the `version` column, a legacy table's `request_metadata.model_version`, the trace's version."""
     try:
         row = InferenceLogRow.model_validate(obj)
     except ValidationError as exc:
@@ -136,10 +147,10 @@ def normalise_row(obj: Mapping[str, Any], *, app_tag: str | None = None,
     trace = None
     if isinstance(trace_obj, str):
         trace = parse_trace_json(trace_obj, app_tag=app_tag, field="response.databricks_output.trace",
-                                 session_tag=session_tag)
+                                 session_tag=session_tag, version_tag=version_tag)
     elif trace_obj is not None:
         trace = parse_trace(trace_obj, app_tag=app_tag, field="response.databricks_output.trace",
-                            everything=False, session_tag=session_tag)
+                            everything=False, session_tag=session_tag, version_tag=version_tag)
     if trace is not None and endpoint is None:
         endpoint = trace.metadata.get("mlflow.databricks.modelServingEndpointName")
 
@@ -185,6 +196,7 @@ def normalise_row(obj: Mapping[str, Any], *, app_tag: str | None = None,
         tagged = tagged_identity(trace, session_tag)
     if tagged is not None:
         stated.session_id = tagged
+    stated.version = _stated_version(obj, row, trace, version_tag)
     if trace is None:
         return stated
     derived = derive(trace)
@@ -193,3 +205,19 @@ def normalise_row(obj: Mapping[str, Any], *, app_tag: str | None = None,
         # The endpoint answered, but the agent's own trace recorded a failure.
         record.failed, record.error = True, derived.error
     return record
+
+
+def _stated_version(obj: Mapping[str, Any], row: InferenceLogRow, trace: Trace | None,
+                    version_tag: str | None) -> str | None:
+    """The row's version over its trace's: the `version_tag` column (else that tag of its trace),
+    the `version` column, a legacy table's `request_metadata.model_version` (the served model's)."""
+    if version_tag:
+        tagged = identity(obj.get(version_tag))
+        if tagged is None and trace is not None:
+            tagged = tagged_identity(trace, version_tag)
+        if tagged is not None:
+            return tagged
+    stated = identity(row.version)
+    if stated is None and row.request_metadata is not None:
+        stated = identity(row.request_metadata.model_version)
+    return stated

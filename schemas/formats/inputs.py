@@ -25,6 +25,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from tracejudge.schemas.errors import describe_value
+from tracejudge.schemas.record import TOOL_ERROR_MAX_CHARS
 
 __all__ = [
     "AgentEvalRecord",
@@ -322,6 +323,15 @@ class ContextDocument(_Model):
 class ToolStep(_Model):
     tool_name: str
     tool_input: Any = None
+    # Why the call failed (schema 6, `ToolCall.error`), or `failed: true` when the row says only that.
+    error: str | None = None
+    failed: bool | None = None
+
+    def error_text(self) -> str | None:
+        """The call's `ToolCall.error`: the stated error (cut), "failed" when only `failed` is true."""
+        if self.error:
+            return self.error[:TOOL_ERROR_MAX_CHARS]
+        return "failed" if self.failed else None
 
 
 class ExpectedToolCall(_Model):
@@ -372,6 +382,9 @@ class AgentEvalRecord(_Model):
     """
 
     request_id: Annotated[str | None, BeforeValidator(_request_id)] = None
+    # The trace the row was collected from (`schemas/formats/collected.py`), and its tool calls.
+    trace_id: str | None = None
+    trajectory: list[ToolStep] | None = None
     # A plain string, {"messages": [...]}, {"query": ..., "history": [...]}, or another object
     # (the question is then taken from it by the derivation rules).
     request: Request | None = None
@@ -396,6 +409,8 @@ class AgentEvalRecord(_Model):
     # The conversation the request belongs to and who made it (schema 3).
     session_id: Identity = None
     user_id: Identity = None
+    # The app's release the row came from (schema 6; `release_version`).
+    version: Identity = None
 
 
 # ------------------------------------------------------------------------------------------
@@ -433,6 +448,8 @@ class InferenceLogRow(_Model):
     # The conversation the request belongs to and who made it, when the table logs them.
     session_id: Identity = None
     user_id: Identity = None
+    # The app's release the row came from (schema 6; `release_version`).
+    version: Identity = None
 
 
 # ------------------------------------------------------------------------------------------

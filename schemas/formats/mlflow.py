@@ -174,6 +174,9 @@ def _span(raw: dict[str, Any], v2: bool, ids: dict[str, str], everything: bool) 
                 span.attributes[key] = attr_value(attrs[key])
     if kind is TOOL:
         span.tool_name = tool_name(inputs)
+        outputs = attr(SPAN_OUTPUTS)
+        if type(outputs) is str and outputs:  # the result's JSON text, as the wire reader measures it
+            span.output_chars = len(outputs)
     return span
 
 
@@ -195,7 +198,8 @@ def _optional(info: Mapping[str, Any], key: str, kind: type) -> Any:
     return value
 
 
-def _parse(obj: Mapping[str, Any], app_tag: str | None, everything: bool, session_tag: str | None) -> Trace:
+def _parse(obj: Mapping[str, Any], app_tag: str | None, everything: bool, session_tag: str | None,
+           version_tag: str | None = None) -> Trace:
     info = obj["info"]
     if not isinstance(info, dict):
         raise Malformed
@@ -207,7 +211,7 @@ def _parse(obj: Mapping[str, Any], app_tag: str | None, everything: bool, sessio
     ids: dict[str, str] = {}
     spans = [_span(s, v2, ids, everything) for s in spans_raw]
     usage = _stated_usage(info.get("request_metadata" if v2 else "trace_metadata"))
-    return _trace(info, raw_id, spans, v2, app_tag, usage, session_tag)
+    return _trace(info, raw_id, spans, v2, app_tag, usage, session_tag, version_tag)
 
 
 def _stated_usage(metadata: Any) -> TokenUsage | None:
@@ -217,7 +221,7 @@ def _stated_usage(metadata: Any) -> TokenUsage | None:
 
 
 def _trace(info: dict[str, Any], raw_id: str, spans: list[Span], v2: bool, app_tag: str | None,
-           usage: TokenUsage | None, session_tag: str | None = None) -> Trace:
+           usage: TokenUsage | None, session_tag: str | None = None, version_tag: str | None = None) -> Trace:
     """The trace of a decoded `info`, each key checked as the schema states it."""
     metadata = _str_map(_optional(info, "request_metadata" if v2 else "trace_metadata", dict))
     tags = _str_map(_optional(info, "tags", dict))
@@ -243,7 +247,7 @@ def _trace(info: dict[str, Any], raw_id: str, spans: list[Span], v2: bool, app_t
         metadata=metadata, tags=tags, experiment=experiment, client_request_id=client_request_id,
         state=state, assessments=assessments, request_time=request_time,
         duration_value=info.get("execution_time_ms" if v2 else "execution_duration_ms"),
-        duration_wire=wire_duration, session_tag=session_tag,
+        duration_wire=wire_duration, session_tag=session_tag, version_tag=version_tag,
     )
 
 
@@ -253,7 +257,8 @@ def tagged_identity(trace: Trace, name: str) -> str | None:
 
 
 def parse_trace(obj: Mapping[str, Any], *, app_tag: str | None = None, field: str = "",
-                everything: bool = True, session_tag: str | None = None) -> Trace:
+                everything: bool = True, session_tag: str | None = None,
+                version_tag: str | None = None) -> Trace:
     """Parse one MLflow trace dict; raises `RecordError` naming the field that is wrong.
 
     `field` prefixes error paths when the trace is embedded in another record ("trace",
@@ -261,10 +266,11 @@ def parse_trace(obj: Mapping[str, Any], *, app_tag: str | None = None, field: st
     what `derive()` reads is decoded: the root span's inputs, outputs and other attributes, the
     outputs of RETRIEVER spans and the inputs of TOOL spans; other spans' `inputs`, `outputs` and
     `attributes` are left empty. Validation is the same either way. `session_tag` (`stream.session_tag`)
-    names a tag or metadata key whose value is the trace's session id, over MLflow's own.
+    names a tag or metadata key whose value is the trace's session id, over MLflow's own;
+    `version_tag` (`stream.version_tag`) likewise its version (`release_version.mlflow_version`).
     """
     try:
-        return _parse(obj, app_tag, everything, session_tag)
+        return _parse(obj, app_tag, everything, session_tag, version_tag)
     except (Malformed, KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError,
             RecursionError) as exc:
         raise explain(obj, field, exc) from None

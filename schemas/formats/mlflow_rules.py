@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from tracejudge.schemas.formats.inputs import as_int, time_ms
+from tracejudge.schemas.formats.release_version import mlflow_version
 from tracejudge.schemas.formats.session_identity import MLFLOW_SESSION, MLFLOW_USER, identity
 from tracejudge.schemas.record import HumanLabel, python_json
 from tracejudge.schemas.trace import Span, SpanKind, SpanStatus, TokenUsage, Trace
@@ -80,7 +81,8 @@ def attr_value(raw: Any) -> Any:
 
 
 def read_usage(value: Any) -> TokenUsage | None:
-    """`{"input_tokens", "output_tokens", "total_tokens"}`; a malformed usage is treated as unstated."""
+    """`{"input_tokens", "output_tokens", "total_tokens"[, "cache_read_input_tokens"]}`; a malformed
+    usage is treated as unstated."""
     if type(value) is not dict:
         return None
     get = value.get
@@ -93,7 +95,8 @@ def read_usage(value: Any) -> TokenUsage | None:
         total = None
     if inp is None and out is None and total is None:
         return None
-    return TokenUsage(inp, out, total)
+    cached = get("cache_read_input_tokens")
+    return TokenUsage(inp, out, total, cached if type(cached) is int else None)
 
 
 def exception_text(events: Any) -> str | None:
@@ -202,18 +205,23 @@ def build_trace(raw_id: str, spans: list[Span], source_format: str, app_tag: str
                 usage: TokenUsage | None, *, metadata: dict[str, str], tags: dict[str, str],
                 experiment: str | None, client_request_id: str | None, state: str | None,
                 assessments: list[Any] | None, request_time: Any, duration_value: Any,
-                duration_wire: str | None, session_tag: str | None = None) -> Trace:
+                duration_wire: str | None, session_tag: str | None = None,
+                version_tag: str | None = None) -> Trace:
     """The `Trace` from its info's values once their types are checked (by `mlflow._trace` in the
     general reader, by the msgspec structs in `mlflow_wire`): one set of rules for both readers.
 
     Session and user: the metadata MLflow stores them in (`mlflow.trace.session`/`.user`, what
     `mlflow.update_current_trace(metadata=...)` sets), else a tag of the same name (apps on MLflow 2,
     whose `update_current_trace` took tags only); `session_tag` names a tag or metadata key whose
-    value is the session id instead, when the trace has it."""
+    value is the session id instead, when the trace has it.
+
+    Version (`release_version.mlflow_version`): the `version_tag` tag or metadata key, else
+    `mlflow.modelId`, else `mlflow.source.git.commit`."""
     session = identity(metadata.get(MLFLOW_SESSION) or tags.get(MLFLOW_SESSION))
     user = identity(metadata.get(MLFLOW_USER) or tags.get(MLFLOW_USER))
     if session_tag:
         session = identity(tags.get(session_tag) or metadata.get(session_tag)) or session
+    version = mlflow_version(tags, metadata, version_tag)
     for key in _METADATA_TAGS:
         if key in metadata:
             tags.setdefault(key, metadata[key])
@@ -236,4 +244,5 @@ def build_trace(raw_id: str, spans: list[Span], source_format: str, app_tag: str
         human_labels=human_feedback(assessments) if assessments else None,
         session_id=session,
         user_id=user,
+        version=version,
     )

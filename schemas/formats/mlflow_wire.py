@@ -39,6 +39,7 @@ from tracejudge.schemas.formats.derive import (
     derived_record,
     documents_from_output,
     has_parent_cycle,
+    tool_error,
 )
 from tracejudge.schemas.formats.derive_usage import ModelCall, one_model_calls, usage_walk
 from tracejudge.schemas.formats.mlflow import parse_trace
@@ -67,7 +68,7 @@ from tracejudge.schemas.formats.mlflow_rules import (
 )
 from tracejudge.schemas.formats.model_cost import span_cost, span_model
 from tracejudge.schemas.record import EvalRecord, ToolCall
-from tracejudge.schemas.trace import Document, Span, SpanKind, TokenUsage, Trace
+from tracejudge.schemas.trace import Document, Span, SpanKind, SpanStatus, TokenUsage, Trace
 
 __all__ = ["derive_canonical_json", "parse_canonical_json", "parse_trace_json"]
 
@@ -179,6 +180,7 @@ class _WireUsage(msgspec.Struct, gc=False):
     input_tokens: int | None = None
     output_tokens: int | None = None
     total_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
 
 
 _USAGE_DECODER = msgspec.json.Decoder(_WireUsage)
@@ -226,7 +228,7 @@ def _wire_usage(wire: _WireUsage) -> TokenUsage | None:
     inp, out, total = wire.input_tokens, wire.output_tokens, wire.total_tokens
     if inp is None and out is None and total is None:
         return None
-    return TokenUsage(inp, out, total)
+    return TokenUsage(inp, out, total, wire.cache_read_input_tokens)
 
 
 def _raw_documents(raw: msgspec.Raw) -> list[Document]:
@@ -295,6 +297,7 @@ def _root_span(raw: _WireSpan, kind: SpanKind, span_id: str) -> Span:
     span.attributes = _root_attributes(attrs)
     if kind is TOOL:
         span.tool_name = tool_name(span.inputs)
+        span.output_chars = _output_chars(attrs.outputs)
     return span
 
 
@@ -414,7 +417,7 @@ _LEAN_KINDS: dict[str | None, SpanKind] = {None: UNKNOWN, **RAW_KINDS}
 
 
 def _lean_parts(spans_raw: list[_WireSpan]) -> tuple[Span | None, list[Document] | None, list[ToolCall],
-                                                     list[ModelCall] | str | None]:
+                                                     list[ModelCall] | str | None, int | None]:
     """`derived_record`'s parts of a trace that states its usage: the root `Span`, the documents of
     the top-level retrievers and the tool calls, in start order, and the model calls whose usage
     counts (`derive_usage.usage_spans`), read as `derive()` reads them from the general reader's spans,
@@ -464,21 +467,55 @@ def _lean_parts(spans_raw: list[_WireSpan]) -> tuple[Span | None, list[Document]
                 elif raw.attributes.outputs is not None:
                     retrieved.extend(_raw_documents(raw.attributes.outputs))
         trajectory = []
+        tool_chars = None
         if tools:
             if len(tools) > 1:
                 tools.sort(key=_span_start)
+            tool_chars = _max_output_chars(tools)
             for raw in tools:
                 if raw is root_raw:
-                    trajectory.append(ToolCall(root.tool_name or root.name, root.inputs or None))
+                    failed = tool_error(root.exception, root.status is SpanStatus.ERROR, root.status_message,
+                                        root.name)
+                    trajectory.append(ToolCall(root.tool_name or root.name, root.inputs or None, failed))
                     continue
                 inputs = raw.attributes.inputs
                 if inputs is not None:
                     inputs = _tool_inputs(inputs)
                 name = tool_name(inputs) if type(inputs) is dict and "call" in inputs else None
-                trajectory.append(ToolCall(name or raw.name, inputs or None))
+                trajectory.append(ToolCall(name or raw.name, inputs or None, _wire_tool_error(raw)))
     except (Malformed, KeyError, TypeError, ValueError, RecursionError):
         raise _NotCanonical from None
-    return root, retrieved, trajectory, counted
+    return root, retrieved, trajectory, counted, tool_chars
+
+
+def _wire_tool_error(raw: _WireSpan) -> str | None:
+    """`derive.tool_error` of a raw tool span: its exception event, else its ERROR status."""
+    failed = STATUS.get(raw.status.code) is SpanStatus.ERROR
+    if raw.events == _NO_EVENTS and not failed:
+        return None
+    exception = None if raw.events == _NO_EVENTS else _events_exception(raw.events)
+    return tool_error(exception, failed, raw.status.message, raw.name)
+
+
+def _max_output_chars(tools: list[_WireSpan]) -> int | None:
+    """`derive.max_output_chars` of the tool spans: the length of each one's `mlflow.spanOutputs`
+    JSON text (the general reader's `Span.output_chars`)."""
+    most = None
+    for raw in tools:
+        size = _output_chars(raw.attributes.outputs)
+        if size is not None and (most is None or size > most):
+            most = size
+    return most
+
+
+def _output_chars(outputs: msgspec.Raw | None) -> int | None:
+    """The length of a tool span's `mlflow.spanOutputs` JSON text (`Span.output_chars`)."""
+    if outputs is None:
+        return None
+    try:
+        return len(_STRING_DECODER.decode(outputs)) or None
+    except msgspec.DecodeError:  # not a string: set on the span directly, not measured
+        return None
 
 
 def _spans(spans_raw: list[_WireSpan]) -> list[Span]:
@@ -521,6 +558,7 @@ def _spans(spans_raw: list[_WireSpan]) -> list[Span]:
                 # As the general reader: tools' inputs and retrievers' outputs (the root's are
                 # decoded whole by `_root_span`).
                 if kind is tool:
+                    span.output_chars = _output_chars(attrs.outputs)
                     if attrs.inputs is not None:
                         inputs = span.inputs = _tool_inputs(attrs.inputs)
                         if type(inputs) is dict and "call" in inputs:
@@ -541,7 +579,7 @@ def _spans(spans_raw: list[_WireSpan]) -> list[Span]:
 
 
 def _trace(info: _WireInfo, spans: list[Span], app_tag: str | None, usage: Any,
-           session_tag: str | None = None) -> Trace:
+           session_tag: str | None = None, version_tag: str | None = None) -> Trace:
     assessments = None
     if info.assessments is not None:
         assessments = orjson.loads(memoryview(info.assessments))
@@ -558,7 +596,7 @@ def _trace(info: _WireInfo, spans: list[Span], app_tag: str | None, usage: Any,
         experiment=experiment, client_request_id=info.client_request_id, state=info.state,
         assessments=assessments, request_time=info.request_time,
         duration_value=info.execution_duration_ms, duration_wire=info.execution_duration,
-        session_tag=session_tag,
+        session_tag=session_tag, version_tag=version_tag,
     )
 
 
@@ -574,8 +612,8 @@ def _decode(payload: bytes | str) -> _WireTrace | None:
         return None
 
 
-def derive_canonical_json(payload: bytes | str, *, app_tag: str | None = None,
-                          session_tag: str | None = None) -> EvalRecord | None:
+def derive_canonical_json(payload: bytes | str, *, app_tag: str | None = None, session_tag: str | None = None,
+                          version_tag: str | None = None) -> EvalRecord | None:
     """`derive()` of the `Trace` of an MLflow 3 trace's JSON in exactly the shape `Trace.to_json()`
     writes, or None for anything else: then decode the payload and call the general reader,
     which reads every form and names what is wrong. An exception raised past reading (a bug in
@@ -589,12 +627,12 @@ def derive_canonical_json(payload: bytes | str, *, app_tag: str | None = None,
         usage = _trace_usage(info.trace_metadata)
         parts = None if usage is None else _lean_parts(wire.data.spans)
         spans = [] if parts is not None else _spans(wire.data.spans)
-        trace = _trace(info, spans, app_tag, usage, session_tag)
+        trace = _trace(info, spans, app_tag, usage, session_tag, version_tag)
     except _NOT_READ:
         return None
     if parts is None:
         return derive(trace)
-    root, retrieved, trajectory, counted = parts
+    root, retrieved, trajectory, counted, tool_chars = parts
     tokens = usage.with_total()
     if not isinstance(counted, list):  # one model for every call: the trace's usage is its usage
         counted = [(counted, tokens, None)]
@@ -602,11 +640,12 @@ def derive_canonical_json(payload: bytes | str, *, app_tag: str | None = None,
         counted = one_model_calls(counted, tokens)
     # No root (rare): the spans' parents may loop, which the record names as `derive()` does.
     cycle = root is None and has_parent_cycle(wire.data.spans, _wire_span_id, _wire_parent_id)
-    return derived_record(trace, root, retrieved, trajectory, tokens, calls=counted or None, cycle=cycle)
+    return derived_record(trace, root, retrieved, trajectory, tokens, calls=counted or None, cycle=cycle,
+                          tool_chars=tool_chars)
 
 
 def parse_canonical_json(payload: bytes | str, *, app_tag: str | None = None,
-                         session_tag: str | None = None) -> Trace | None:
+                         session_tag: str | None = None, version_tag: str | None = None) -> Trace | None:
     """The `Trace` of an MLflow 3 trace's JSON in exactly the shape `Trace.to_json()` writes, or
     None for anything else (another shape, another format, bad input) — then decode the payload
     and call `parse_trace`, which reads every form and names what is wrong.
@@ -621,13 +660,13 @@ def parse_canonical_json(payload: bytes | str, *, app_tag: str | None = None,
         return None
     try:
         usage = _trace_usage(wire.info.trace_metadata)
-        return _trace(wire.info, _spans(wire.data.spans), app_tag, usage, session_tag)
+        return _trace(wire.info, _spans(wire.data.spans), app_tag, usage, session_tag, version_tag)
     except _NOT_READ:
         return None
 
 
 def parse_trace_json(text: str, *, app_tag: str | None = None, field: str = "",
-                     session_tag: str | None = None) -> Trace:
+                     session_tag: str | None = None, version_tag: str | None = None) -> Trace:
     """An MLflow trace embedded as JSON text in another record (an agent-evaluation row's `trace`,
     a serving response's `databricks_output.trace`), read for derivation: by `parse_canonical_json`
     when it is in `Trace.to_json()`'s exact shape, else decoded by orjson and read by `parse_trace`
@@ -637,11 +676,12 @@ def parse_trace_json(text: str, *, app_tag: str | None = None, field: str = "",
     derivation never reads is skipped by msgspec unread, so such a trace is read (as it is when it
     is the whole payload) rather than rejected as invalid JSON.
     """
-    trace = parse_canonical_json(text, app_tag=app_tag, session_tag=session_tag)
+    trace = parse_canonical_json(text, app_tag=app_tag, session_tag=session_tag, version_tag=version_tag)
     if trace is not None:
         return trace
     try:
         obj = orjson.loads(text)
     except orjson.JSONDecodeError as exc:
         raise RecordError(errors.INVALID_JSON, errors.not_json(exc), field or None) from None
-    return parse_trace(obj, app_tag=app_tag, field=field, everything=False, session_tag=session_tag)
+    return parse_trace(obj, app_tag=app_tag, field=field, everything=False, session_tag=session_tag,
+                       version_tag=version_tag)

@@ -52,6 +52,7 @@ from tracejudge.schemas.formats.otlp_common import (
     proto_attributes,
     service_name,
 )
+from tracejudge.schemas.formats.release_version import resource_version, spans_version
 from tracejudge.schemas.formats.session_identity import (
     MLFLOW_SESSION,
     MLFLOW_USER,
@@ -82,11 +83,13 @@ _STATUS_NAMES: Final = {"STATUS_CODE_UNSET": STATUS_UNSET, "STATUS_CODE_OK": STA
 
 @dataclass(slots=True)
 class SpanGroup:
-    """The spans of one trace from one resource of one message; `service` is its `service.name`."""
+    """The spans of one trace from one resource of one message; `service` is its `service.name`,
+    `version` its `service.version`."""
 
     trace_id: str
     service: str | None
     spans: list[Span]
+    version: str | None = None
 
 
 def detect_format(payload: bytes | str) -> str:
@@ -155,7 +158,8 @@ def decode_proto(payload: bytes) -> list[SpanGroup]:
                           f"not an OTLP ExportTraceServiceRequest: {exc}{hint}") from exc
     groups: list[SpanGroup] = []
     for ri, resource_spans in enumerate(request.resource_spans):
-        service = service_name(proto_attributes(resource_spans.resource.attributes))
+        resource = proto_attributes(resource_spans.resource.attributes)
+        service, version = service_name(resource), resource_version(resource)
         by_trace: dict[bytes, SpanGroup] = {}
         for si, scope_spans in enumerate(resource_spans.scope_spans):
             for pi, sp in enumerate(scope_spans.spans):
@@ -188,7 +192,7 @@ def decode_proto(payload: bytes) -> list[SpanGroup]:
                     span.attributes[REMOTE_PARENT_KEY] = True
                 group = by_trace.get(trace_id)
                 if group is None:
-                    group = by_trace[trace_id] = SpanGroup(trace_id.hex(), service, [])
+                    group = by_trace[trace_id] = SpanGroup(trace_id.hex(), service, [], version)
                 group.spans.append(span)
         groups.extend(by_trace.values())
     return groups
@@ -213,7 +217,8 @@ def decode_json(payload: bytes | str | Mapping[str, Any]) -> list[SpanGroup]:
         json_object(resource_spans, where_r)
         resource = json_field(resource_spans, "resource", "resource") or {}
         json_object(resource, f"{where_r}.resource")
-        service = service_name(json_attributes(resource.get("attributes"), f"{where_r}.resource.attributes"))
+        attributes = json_attributes(resource.get("attributes"), f"{where_r}.resource.attributes")
+        service, version = service_name(attributes), resource_version(attributes)
         by_trace: dict[str, SpanGroup] = {}
         scopes = json_list(json_field(resource_spans, "scopeSpans", "scope_spans"), f"{where_r}.scopeSpans")
         for si, scope_spans in enumerate(scopes):
@@ -256,7 +261,7 @@ def decode_json(payload: bytes | str | Mapping[str, Any]) -> list[SpanGroup]:
                     span.attributes[REMOTE_PARENT_KEY] = True
                 group = by_trace.get(trace_id)
                 if group is None:
-                    group = by_trace[trace_id] = SpanGroup(trace_id, service, [])
+                    group = by_trace[trace_id] = SpanGroup(trace_id, service, [], version)
                 group.spans.append(span)
         groups.extend(by_trace.values())
     return groups
@@ -285,7 +290,8 @@ _TAG_PREFIX: Final = "mlflow.traceTag."
 
 def build_trace(trace_id: str, spans: Sequence[Span], *, source_format: str, app: str | None = None,
                 complete: bool = True, app_tag: str | None = None,
-                events: Sequence[Any] = (), session_tag: str | None = None) -> Trace:
+                events: Sequence[Any] = (), session_tag: str | None = None,
+                version: str | None = None, version_tag: str | None = None) -> Trace:
     """The assembled `Trace` of one trace's spans (in any order; duplicates by span id dropped).
 
     `events` are the trace's content log records (`otlp_logs.SpanEvent`s): each is read onto the
@@ -298,6 +304,10 @@ def build_trace(trace_id: str, spans: Sequence[Span], *, source_format: str, app
     export), `gen_ai.conversation.id`, Traceloop's `session_id` association property; `user.id`,
     Traceloop's `user_id`; on the root span, else the first span stating one. `session_tag`
     (`stream.session_tag`) names a trace tag or span attribute whose value is the session instead.
+
+    Version (`release_version.spans_version`): the `version_tag` (`stream.version_tag`) trace tag or
+    span attribute, else `gen_ai.agent.version` (root first), else `version`, the `service.version` of
+    the root span's resource.
     """
     unique = {s.span_id: s for s in spans}
     if events:
@@ -336,6 +346,7 @@ def build_trace(trace_id: str, spans: Sequence[Span], *, source_format: str, app
         session = identity(trace.tags.get(session_tag)) or spans_identity(ordered, root, (session_tag,))
     trace.session_id = session or spans_identity(ordered, root, SESSION_ATTRIBUTES)
     trace.user_id = spans_identity(ordered, root, USER_ATTRIBUTES)
+    trace.version = spans_version(ordered, root, trace.tags, version, version_tag)
     # As MLflow's OTLP ingest stores them.
     if trace.session_id is not None:
         trace.metadata[MLFLOW_SESSION] = trace.session_id

@@ -42,6 +42,7 @@ from tracejudge.schemas.formats.otlp_common import (
     proto_value,
     service_name,
 )
+from tracejudge.schemas.formats.release_version import resource_version
 
 FORMAT_LOGS_PROTO: Final = "otlp_logs_proto"
 FORMAT_LOGS_JSON: Final = "otlp_logs_json"
@@ -69,6 +70,8 @@ class EventGroup:
     trace_id: str | None
     service: str | None
     events: list[SpanEvent]
+    # The resource's `service.version`: the trace's version when its spans' resources state none.
+    version: str | None = None
 
 
 def is_otlp_logs_json(obj: Any) -> bool:
@@ -105,7 +108,8 @@ def decode_proto(payload: bytes) -> list[EventGroup]:
         raise RecordError(errors.INVALID_PROTOBUF, f"not an OTLP ExportLogsServiceRequest: {exc}") from exc
     groups: list[EventGroup] = []
     for resource_logs in request.resource_logs:
-        service = service_name(proto_attributes(resource_logs.resource.attributes))
+        resource = proto_attributes(resource_logs.resource.attributes)
+        service, version = service_name(resource), resource_version(resource)
         by_trace: dict[Any, EventGroup] = {}
         for scope_logs in resource_logs.scope_logs:
             for rec in scope_logs.log_records:
@@ -121,7 +125,7 @@ def decode_proto(payload: bytes) -> list[EventGroup]:
                 body = proto_value(rec.body) if rec.HasField("body") else None
                 group = by_trace.get(trace_id)
                 if group is None:
-                    group = by_trace[trace_id] = EventGroup(trace_id.hex(), service, [])
+                    group = by_trace[trace_id] = EventGroup(trace_id.hex(), service, [], version)
                 group.events.append(SpanEvent(span_id.hex(), name, _event(name, attributes, body)))
         groups.extend(by_trace.values())
     return groups
@@ -136,7 +140,8 @@ def decode_json(payload: bytes | str | Mapping[str, Any]) -> list[EventGroup]:
         json_object(resource_logs, where_r)
         resource = json_field(resource_logs, "resource", "resource") or {}
         json_object(resource, f"{where_r}.resource")
-        service = service_name(json_attributes(resource.get("attributes"), f"{where_r}.resource.attributes"))
+        attributes = json_attributes(resource.get("attributes"), f"{where_r}.resource.attributes")
+        service, version = service_name(attributes), resource_version(attributes)
         by_trace: dict[Any, EventGroup] = {}
         for si, scope_logs in enumerate(json_list(json_field(resource_logs, "scopeLogs", "scope_logs"),
                                               f"{where_r}.scopeLogs")):
@@ -160,7 +165,7 @@ def decode_json(payload: bytes | str | Mapping[str, Any]) -> list[EventGroup]:
                 body = json_value(body, f"{where}.body") if body is not None else None
                 group = by_trace.get(trace_id)
                 if group is None:
-                    group = by_trace[trace_id] = EventGroup(trace_id, service, [])
+                    group = by_trace[trace_id] = EventGroup(trace_id, service, [], version)
                 group.events.append(SpanEvent(span_id, name, _event(name, attributes, body)))
         groups.extend(by_trace.values())
     return groups
