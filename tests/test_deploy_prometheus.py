@@ -56,12 +56,14 @@ def test_the_seven_alerts_exist_with_severity_and_annotations() -> None:
     assert sorted(ALERT_NAMES) == sorted(["GroundednessDropped", "JudgeErrorsHigh", "EvaluationsMissing",
                                           "ConsumerLagHigh", "DeadLettersRising", "WriteBackLagging",
                                           "UserFrustrationRising", "JudgeDisagreesWithHumans",
-                                          "JudgeCanaryFailing", "JudgeSpendNearCap"])
+                                          "JudgeCanaryFailing", "JudgeSpendNearCap", "ReleaseRegressed"])
     for alert in alerts():
         name = alert["alert"]
         assert alert["labels"]["severity"] in ("critical", "warning"), name
-        assert set(alert["annotations"]) == {"summary", "description", "runbook"}, name
-        assert alert["annotations"]["runbook"] == f"README.md#{name.lower()}", name
+        # The links are rendered from the default `alerts:` section (tests/test_alert_links.py).
+        assert set(alert["annotations"]) - {"traces_url"} == {"summary", "description", "runbook_url",
+                                                              "dashboard_url"}, name
+        assert alert["annotations"]["runbook_url"].endswith(f"README.md#{name.lower()}"), name
         assert "$labels" in alert["annotations"]["summary"], f"{name}: summary should name what is affected"
         assert re.fullmatch(r"\d+[smh]", alert["for"]), f"{name}: a `for:` keeps one bad scrape from paging"
 
@@ -81,7 +83,8 @@ def test_recording_rule_names_follow_level_metric_operation() -> None:
     for name in recording_rules():
         level, metric, operation = name.split(":")
         assert level and metric.startswith("tracejudge_"), name
-        assert re.fullmatch(r"(ratio|increase)\d+[mhd]", operation), name
+        # min: the earliest first-seen time of a release; zscore: ReleaseRegressed's test statistic.
+        assert re.fullmatch(r"(ratio|increase|min|zscore)\d+[mhd]", operation), name
 
 
 def test_greater_or_equal_is_reserved_for_minimum_volume_guards() -> None:
@@ -89,7 +92,7 @@ def test_greater_or_equal_is_reserved_for_minimum_volume_guards() -> None:
     text = RULES.read_text()
     assert "<=" not in text
     guards = [line for line in text.splitlines() if ">=" in line and not line.lstrip().startswith("#")]
-    assert len(guards) == 11
+    assert len(guards) == 13
     for line in guards:
         assert "increase" in line, f"`>=` used on something that is not a volume count: {line.strip()}"
 
@@ -138,6 +141,7 @@ def mutated_run(tmp_path: Path, alert: str, old: str, new: str) -> subprocess.Co
     ("UserFrustrationRising", ">= 20"),
     ("JudgeDisagreesWithHumans", ">= 30"),
     ("JudgeCanaryFailing", ">= 10"),
+    ("ReleaseRegressed", ">= 30"),
 ])
 def test_dropping_a_minimum_volume_guard_fails_its_unit_test(tmp_path: Path, alert: str, guard: str) -> None:
     result = mutated_run(tmp_path, alert, guard, ">= 0")
@@ -173,6 +177,22 @@ def test_user_frustration_floor_is_tested(tmp_path: Path) -> None:
     # Without the 20% floor, lowfloor (5% -> 15%, tripled) pages.
     result = mutated_run(tmp_path, "UserFrustrationRising", "ratio1h > 0.2", "ratio1h > 0")
     assert result.returncode != 0 and 'app="lowfloor"' in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("old", "new", "app"), [
+    ("zscore1d > 2.33", "zscore1d > 0", "noisy"),  # a 10-point drop on 40 verdicts a side is noise
+    ("ratio1d > 0.05", "ratio1d > 0", "huge"),  # significant on 20000 a side, but only 2 points
+])
+def test_release_regressed_significance_and_effect_size_are_tested(tmp_path: Path, old: str, new: str,
+                                                                   app: str) -> None:
+    result = mutated_run(tmp_path, "ReleaseRegressed", old, new)
+    assert result.returncode != 0 and f'app="{app}"' in result.stdout + result.stderr
+
+
+def test_release_regressed_resolves_after_a_rollback_is_tested(tmp_path: Path) -> None:
+    # Without "the current release still had verdicts in the last hour", a rolled-back release pages on.
+    result = mutated_run(tmp_path, "ReleaseRegressed", "[1h])) > 0", "[1h])) > -1")
+    assert result.returncode != 0 and "FAILED" in result.stdout + result.stderr
 
 
 def test_user_frustration_reads_only_the_user_frustration_judge() -> None:
@@ -213,7 +233,7 @@ def test_each_runbook_is_a_readme_section(alert: str) -> None:
     headings = {line.lstrip("#").strip().lower() for line in README.read_text().splitlines()
                 if line.startswith("### ")}
     (rule,) = [a for a in alerts() if a["alert"] == alert]
-    assert rule["annotations"]["runbook"].removeprefix("README.md#") in headings
+    assert rule["annotations"]["runbook_url"].partition("README.md#")[2] in headings
 
 
 # --- the fast-clock derivation ----------------------------------------------------------------------
@@ -263,13 +283,15 @@ def test_shortened_groundedness_alert_fires_within_seconds(tmp_path: Path) -> No
     shorten = deploy_module("prometheus/shorten.py")
     shorten.shorten_file(RULES, tmp_path / "fast.yml", shorten.FAST_CLOCK, for_="0s", min_count=3,
                          interval="1s")
-    alert = next(r for g in load_yaml(tmp_path / "fast.yml")["groups"] for r in g["rules"]
-                 if r.get("alert") == "GroundednessDropped")
+    fast = load_yaml(tmp_path / "fast.yml")
+    alert = next(r for g in fast["groups"] for r in g["rules"] if r.get("alert") == "GroundednessDropped")
+    # The links depend on the evaluation time; the promtool unit tests show them rendered.
+    alert["annotations"] = {k: v for k, v in alert["annotations"].items() if not k.endswith("_url")}
+    (tmp_path / "fast.yml").write_text(yaml.safe_dump(fast, sort_keys=False))
     annotations = {
         "summary": "Groundedness pass rate 0% for app shop",
         "description": alert["annotations"]["description"].replace("{{ $value | humanizePercentage }}", "0%")
                                                            .replace("{{ $labels.app }}", "shop"),
-        "runbook": "README.md#groundednessdropped",
     }
     unit_test = {
         "rule_files": ["fast.yml"],

@@ -17,12 +17,24 @@ from __future__ import annotations
 import itertools
 import signal
 import threading
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import yaml
 from kafka import KafkaProducer
-from support.deploy_files import RULES, SESSION_METRICS, SINK_METRICS, deploy_module, family_of, rule_groups
+from support.deploy_files import (
+    FINDINGS_METRICS,
+    FLEET_SPEND_METRICS,
+    RULES,
+    SESSION_METRICS,
+    SINK_METRICS,
+    deploy_module,
+    family_of,
+    rule_groups,
+    slo_recording_rules,
+)
 from support.kafka import RunnerProcess, agent_traces, shared_broker, unique
 from support.openai_stub import OpenAIStub, Reply, StubRequest
 from support.otel_producers import Producer, genai_trace, kafka_messages
@@ -134,6 +146,10 @@ def runner_config(path: Path, stub: OpenAIStub, topics: tuple[str, str], dead_le
 NEEDS_LABELS = {"tracejudge_judge_calibration", "tracejudge_judge_calibration_stale",
                 "tracejudge_judge_agreement_total", "tracejudge_judge_labels_total",
                 "tracejudge_judge_canary_total"}
+# What needs two releases of an app in the traffic (the comparison of the current with the previous);
+# this test's traces state one version at most (MLflow records the checkout's commit).
+NEEDS_TWO_RELEASES = {"app_judge_version_release:tracejudge_judge_pass_drop:ratio1d",
+                      "app_judge_version_release:tracejudge_judge_pass_drop:zscore1d"}
 
 
 def not_exported_here() -> set[str]:
@@ -141,7 +157,8 @@ def not_exported_here() -> set[str]:
     metrics (neither runs here), those that need labels (`NEEDS_LABELS`), and the recording rules
     computed from them."""
     promql = deploy_module("grafana/promql.py")
-    out = set(SINK_METRICS) | set(SESSION_METRICS) | NEEDS_LABELS
+    out = (set(SINK_METRICS) | set(SESSION_METRICS) | set(FINDINGS_METRICS) | set(FLEET_SPEND_METRICS)
+           | NEEDS_LABELS | NEEDS_TWO_RELEASES | slo_recording_rules())
     for group in rule_groups():
         for rule in group["rules"]:
             if "record" in rule and {family_of(n) for n in promql.metric_names(rule["expr"])} & out:
@@ -151,8 +168,10 @@ def not_exported_here() -> set[str]:
 
 def dashboard_queries() -> dict[str, str]:
     """Every dashboard panel query of `tracejudge run`'s metrics, variables filled and the one-day
-    offset shortened. The write-back and conversation panels read `tracejudge sink` and `tracejudge
-    sessions` metrics; neither runs here."""
+    offset shortened. The write-back, conversation and findings panels read `tracejudge sink`,
+    `tracejudge sessions` and `tracejudge findings run` metrics, and the fleet-spend panel those of
+    `judges.fleet_spend`, the SLO panels the rules `tracejudge slo render` writes; none of them
+    runs or is loaded here."""
     promql, shorten = deploy_module("grafana/promql.py"), deploy_module("prometheus/shorten.py")
     skip = not_exported_here()
     return {f"{q.dashboard} / {q.panel} / {q.ref_id}":
@@ -212,7 +231,17 @@ def test_ungrounded_answers_page_through_the_shipped_rules_and_alertmanager(tmp_
                                            "judge": "groundedness", "severity": "critical"}
                 assert alert["annotations"]["summary"].startswith("Groundedness pass rate ")
                 assert alert["annotations"]["summary"].endswith(f" for app {APP}")
-                assert alert["annotations"]["runbook"] == "README.md#groundednessdropped"
+                # The links are absolute, filled in by Prometheus at the evaluation that fired.
+                notes = alert["annotations"]
+                assert notes["runbook_url"].startswith("https://")
+                assert notes["runbook_url"].endswith("README.md#groundednessdropped")
+                assert notes["dashboard_url"].startswith("http://localhost:3000/d/tracejudge-quality/?")
+                assert f"var-app={APP}&var-judge=groundedness" in notes["dashboard_url"]
+                window = parse_qs(urlsplit(urlsplit(notes["traces_url"]).fragment).query)
+                assert window["filter"] == ["ASSESSMENT::=::no::groundedness"]
+                start, end = (datetime.fromisoformat(window[k][0]) for k in ("startTime", "endTime"))
+                assert (end - start).total_seconds() == 4500  # 1h of verdicts + `for: 15m`
+                assert abs((datetime.now(UTC) - end).total_seconds()) < 120
                 assert alert["generatorURL"].startswith(prom.url)
                 assert any(a["labels"]["alertname"] == "GroundednessDropped" for a in am.alerts())
                 rate = groundedness(prom)
