@@ -20,13 +20,17 @@ from support.deploy_files import (
     deploy_module,
     family_of,
     recording_rules,
+    slo_recording_rules,
     tool,
 )
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 # Histograms whose observations carry an exemplar, and the exemplar's label: where its dot links to.
-EXEMPLAR_LABELS = {"tracejudge_trace_latency_seconds": "trace_id", "tracejudge_judge_score": "trace_id",
-                   "tracejudge_session_judge_score": "session_id"}
+HISTOGRAM_EXEMPLAR_LABELS = {"tracejudge_trace_latency_seconds": "trace_id",
+                             "tracejudge_judge_score": "trace_id",
+                             "tracejudge_session_judge_score": "session_id"}
+# Counters whose increments carry one (the findings stage's: an example failing trace of the finding).
+EXEMPLAR_LABELS = {**HISTOGRAM_EXEMPLAR_LABELS, "tracejudge_failure_concentration_failures_total": "trace_id"}
 EXEMPLAR_FAMILIES = set(EXEMPLAR_LABELS)
 
 
@@ -61,7 +65,8 @@ def test_dashboards_have_fixed_unique_uids() -> None:
     assert uids == {"tracejudge-operations.json": "tracejudge-operations",
                     "tracejudge-quality.json": "tracejudge-quality"}
     for d in dashboards().values():
-        assert d["id"] is None and isinstance(d["schemaVersion"], int) and "tracejudge" in d["tags"]
+        # No instance id (the SDK's encoder leaves an unset id out): Grafana assigns its own on import.
+        assert d.get("id") is None and isinstance(d["schemaVersion"], int) and "tracejudge" in d["tags"]
 
 
 @pytest.mark.parametrize("name", sorted(dashboards()))
@@ -85,7 +90,8 @@ def test_datasource_is_a_variable_everywhere(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(dashboards()))
 def test_every_panel_queries_contract_metrics_or_recording_rules(name: str) -> None:
-    known = set(METRICS) | recording_rules()
+    # The SLO rules (`tracejudge slo render`) are optional: their panels say so when they are absent.
+    known = set(METRICS) | recording_rules() | slo_recording_rules()
     for panel in panels(dashboards()[name]):
         assert panel["targets"], f"{panel['title']}: no query"
         for target in panel["targets"]:
@@ -98,10 +104,14 @@ def test_every_panel_queries_contract_metrics_or_recording_rules(name: str) -> N
 @pytest.mark.parametrize("name", sorted(dashboards()))
 def test_variable_queries_read_contract_metrics(name: str) -> None:
     for variable in query_variables(dashboards()[name]):
-        match = re.fullmatch(r"label_values\((\w+)(\{.*\})?, (\w+)\)", variable["definition"])
-        assert match, variable["definition"]
+        # The Prometheus variable editor's query (qryType 1: label values); the SDK's variable model has
+        # no `definition`, Grafana's copy of the same string for its variable list.
+        query = variable["query"]
+        assert query["qryType"] == 1, variable["name"]
+        match = re.fullmatch(r"label_values\((\w+)(\{.*\})?, (\w+)\)", query["query"])
+        assert match, query["query"]
         family = family_of(match.group(1))
-        assert family and match.group(3) in METRICS[family].labels, variable["definition"]
+        assert family and match.group(3) in METRICS[family].labels, query["query"]
 
 
 @pytest.mark.parametrize("name", sorted(dashboards()))
@@ -139,7 +149,26 @@ def test_histograms_with_trace_id_exemplars_ask_for_them() -> None:
                 if exemplar_families and "histogram_quantile" in target["expr"]:
                     assert target["exemplar"] is True, panel["title"]
                     seen |= exemplar_families
-    assert seen == EXEMPLAR_FAMILIES
+    assert seen == set(HISTOGRAM_EXEMPLAR_LABELS)
+
+
+def test_the_findings_table_sorts_by_the_lower_bound_and_a_panel_beside_it_carries_the_exemplars() -> None:
+    quality = dashboards()["tracejudge-quality.json"]
+    (table,) = [p for p in panels(quality) if p["type"] == "table"]
+    assert table["title"] == "What the failures have in common"
+    read = {f for t in table["targets"] for f in families(t["expr"])}
+    assert {"tracejudge_failure_concentration", "tracejudge_failure_concentration_lower",
+            "tracejudge_failure_concentration_failing", "tracejudge_failure_concentration_verdicts"} <= read
+    for t in table["targets"]:
+        assert t["instant"] and t["format"] == "table" and 'app=~"$app"' in t["expr"], t["expr"]
+    (organize,) = [t["options"] for t in table["transformations"] if t["id"] == "organize"]
+    lower = next(t["refId"] for t in table["targets"] if "_lower{" in t["expr"])
+    assert table["options"]["sortBy"] == [{"displayName": organize["renameByName"][f"Value #{lower}"],
+                                           "desc": True}]
+    assert "README#what-the-failures-have-in-common" in table["fieldConfig"]["defaults"]["noValue"]
+    counters = [t for p in panels(quality) for t in p["targets"]
+                if "tracejudge_failure_concentration_failures_total" in families(t["expr"])]
+    assert counters and all(t["exemplar"] for t in counters)
 
 
 @pytest.mark.parametrize("name", sorted(dashboards()))

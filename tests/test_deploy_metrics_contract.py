@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
-from support.deploy_files import RUN_METRICS, SESSION_JUDGE_METRICS, SESSION_STAGE_METRICS, SINK_METRICS
+from support.deploy_files import (
+    FINDINGS_METRICS,
+    FLEET_SPEND_METRICS,
+    RUN_METRICS,
+    SESSION_JUDGE_METRICS,
+    SESSION_STAGE_METRICS,
+    SINK_METRICS,
+)
 
 from tracejudge.metrics.cost import JudgeCostMetrics
 from tracejudge.metrics.judges.series import JudgeMetrics
@@ -70,7 +77,9 @@ def test_the_sink_runtime_exports_lag_batches_and_dead_letters_with_their_labels
 
     real = families(SinkMetrics(CollectorRegistry(), "mlflow"))
     for name in ("tracejudge_sink_lag_records", "tracejudge_sink_batches_total",
-                 "tracejudge_sink_dead_letters_total"):
+                 "tracejudge_sink_dead_letters_total", "tracejudge_sink_parked_records",
+                 "tracejudge_sink_parked_total", "tracejudge_sink_parked_retries_total",
+                 "tracejudge_sink_park_full_total", "tracejudge_sink_given_up_total"):
         family = SINK_METRICS[name]
         assert name in real, f"the sink runtime does not export {name}"
         assert real[name] == (family.type, family.labels), f"{name}: exported as {real[name]}"
@@ -127,3 +136,16 @@ def test_user_frustration_verdicts_carry_the_values_the_alert_counts() -> None:
     exemplars = [s.exemplar for m in registry.collect() if m.name == "tracejudge_session_judge_score"
                  for s in m.samples if s.exemplar is not None]
     assert exemplars and {e.labels["session_id"] for e in exemplars} == {"conv-1"}
+
+
+def test_the_findings_stage_and_fleet_spend_export_their_contract_metrics_with_their_labels() -> None:
+    """The quality dashboard's findings table and fleet-spend panel read these."""
+    from tracejudge.metrics.judges.fleet_spend import FleetSpendMetrics
+    from tracejudge.metrics.telemetry.findings import FindingsMetrics
+
+    for owner, contract in ((FindingsMetrics(CollectorRegistry()), FINDINGS_METRICS),
+                            (FleetSpendMetrics(CollectorRegistry()), FLEET_SPEND_METRICS)):
+        real = families(owner)
+        for name, family in contract.items():
+            assert name in real, f"{name} is queried by the dashboards but not exported"
+            assert real[name] == (family.type, family.labels), f"{name}: exported as {real[name]}"

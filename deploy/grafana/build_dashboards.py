@@ -1,7 +1,9 @@
 """Generate the tracejudge Grafana dashboards (classic dashboard JSON) into deploy/grafana/dashboards/.
 
-Plain dictionaries instead of a generator library: the JSON model is small, the output is checked in and
-a test regenerates it and fails on drift, so review happens on the JSON diff. Conventions every panel
+Built with grafana-foundation-sdk, Grafana Labs' dashboards-as-code library (pinned in the `test` extra:
+the dashboards are built at development time and in tests, never by the service): panels, queries and
+variables are Grafana's own types, serialized by the SDK's JSON encoder. The output is checked in and a
+test regenerates it and fails on drift, so review happens on the JSON diff. Conventions every panel
 follows (a test holds them): fixed dashboard uids, the Prometheus datasource is the `${datasource}`
 variable (so one file works in every Grafana, provisioned or imported), every panel that is not a row
 has at least one PromQL target, histogram panels ask for exemplars, which carry the trace id, a panel
@@ -20,6 +22,7 @@ the PromQL helpers), quality.py and operations.py (each dashboard's rows); this 
 
     python deploy/grafana/build_dashboards.py          # rewrite the JSON files
     python deploy/grafana/build_dashboards.py --check  # exit 1 if a checked-in file is stale
+    python deploy/grafana/build_dashboards.py --out DIR  # write (or --check) elsewhere
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
 
 HERE = Path(__file__).resolve().parent
 # deploy/ is not a package: the dashboards' modules sit beside this script and import each other by
@@ -38,7 +42,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from operations import operations  # noqa: E402
-from panels import panel_id  # noqa: E402
+from panels import Board, panel_id  # noqa: E402
 from quality import quality  # noqa: E402
 
 __all__ = ["DASHBOARDS", "main", "panel_id", "render"]
@@ -48,17 +52,20 @@ OUT = HERE / "dashboards"
 DASHBOARDS = {"tracejudge-quality.json": quality, "tracejudge-operations.json": operations}
 
 
-def render(build: Any) -> str:
-    return json.dumps(build(), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+def render(build: Callable[[], Board]) -> str:
+    """The dashboard's JSON, as the SDK's encoder writes Grafana's dashboard model (keys sorted, so
+    the checked-in file's diff is the change)."""
+    return json.dumps(build().build(), cls=JSONEncoder, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only compare; exit 1 if a file is stale")
+    parser.add_argument("--out", type=Path, default=OUT, help=f"the dashboards' directory (default: {OUT})")
     args = parser.parse_args(argv)
     stale = []
     for name, build in DASHBOARDS.items():
-        path, text = OUT / name, render(build)
+        path, text = args.out / name, render(build)
         if args.check:
             if not path.exists() or path.read_text() != text:
                 stale.append(path)

@@ -7,7 +7,7 @@ from panels import (
     NO_OTLP,
     NO_SESSIONS,
     NO_SINK,
-    Json,
+    Board,
     dashboard,
     histogram_mean,
     label_variable,
@@ -24,7 +24,7 @@ from panels import (
 )
 
 
-def operations() -> Json:
+def operations() -> Board:
     app, topic, judge, sink = 'app=~"$app"', 'topic=~"$topic"', 'judge=~"$judge"', 'sink=~"$sink"'
     traces = "tracejudge_traces_total"
     failed = sum_rate(traces, "app", app + ', status="error"')

@@ -2,18 +2,30 @@
 
 One spelling for each kind of panel and query, shared by the Quality (quality.py) and Operations
 (operations.py) dashboards; build_dashboards.py writes them (its docstring names the conventions every
-panel follows). A panel's id comes from its title (`panel_id`), the same function as
-`tracejudge.consumer.config.alert_links.panel_id`, so alert links keep opening their panel.
+panel follows). The panels, queries and variables are Grafana's own dashboard types, built with
+grafana-foundation-sdk (Grafana Labs' dashboards-as-code library; the `test` extra, never a runtime
+dependency): a misspelt field or option fails here, at build time, not in a browser. A panel's id
+comes from its title (`panel_id`), the same function as `tracejudge.consumer.config.alert_links.panel_id`,
+so alert links keep opening their panel.
 """
 
 from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from typing import Any
 
-DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-SCHEMA_VERSION = 39
+from grafana_foundation_sdk.builders import common as common_builders
+from grafana_foundation_sdk.builders import dashboard as dashboard_builders
+from grafana_foundation_sdk.builders import heatmap as heatmap_builders
+from grafana_foundation_sdk.builders import prometheus as prometheus_builders
+from grafana_foundation_sdk.builders import table as table_builders
+from grafana_foundation_sdk.builders import timeseries as timeseries_builders
+from grafana_foundation_sdk.models import common as common_models
+from grafana_foundation_sdk.models import dashboard as dashboard_models
+from grafana_foundation_sdk.models import heatmap as heatmap_models
+from grafana_foundation_sdk.models import prometheus as prometheus_models
+
+DATASOURCE = dashboard_models.DataSourceRef(type_val="prometheus", uid="${datasource}")
 RATE = "$__rate_interval"
 # The trace UI's address up to the trace id, which the exemplar link appends (`${__value.raw}`, the
 # exemplar's trace_id: 32 hex digits). MLflow 3 stores an OpenTelemetry trace as `tr-<hex>` and opens
@@ -25,7 +37,13 @@ MLFLOW_TRACE_URL = "http://localhost:5000/#/experiments/0/traces?selectedEvaluat
 # assessments at `#/experiments/<id>/chat-sessions/<session id>` (the id of `mlflow.trace.session`).
 MLFLOW_SESSION_URL = "http://localhost:5000/#/experiments/0/chat-sessions/"
 
-Json = dict[str, Any]
+Board = dashboard_builders.Dashboard
+Target = prometheus_builders.Dataquery
+Panel = timeseries_builders.Panel | heatmap_builders.Panel | table_builders.Panel
+Item = Panel | dashboard_builders.Row
+Variable = (dashboard_builders.DatasourceVariable | dashboard_builders.QueryVariable
+            | dashboard_builders.TextBoxVariable)
+PANEL_HEIGHT = 8
 
 # Why a panel can be empty when nothing is wrong: Grafana shows these ("No value") instead of "No data".
 # Panels whose answer is 0 when nothing happened say 0 instead (`or_zero`); these name what is missing.
@@ -49,97 +67,110 @@ NO_FLEET_SPEND = "No fleet-wide spend cap (judges.fleet_spend): each replica cap
 
 # --- building blocks ----------------------------------------------------------------------------------
 
-def datasource_variable() -> Json:
-    return {
-        "name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
-        "current": {}, "hide": 0, "refresh": 1, "regex": "", "includeAll": False, "multi": False,
-        "options": [], "skipUrlSync": False,
-    }
+def datasource_variable() -> dashboard_builders.DatasourceVariable:
+    return (dashboard_builders.DatasourceVariable("datasource").label("Data source").type("prometheus")
+            .hide(dashboard_models.VariableHide.DONT_HIDE).regex("").include_all(False).multi(False))
 
 
-def label_variable(name: str, label: str, metric_selector: str) -> Json:
+def label_variable(name: str, label: str, metric_selector: str) -> dashboard_builders.QueryVariable:
     """A multi-value variable over one label; "All" means `.*`, so panels match it with `=~`."""
-    definition = f"label_values({metric_selector}, {label})"
-    return {
-        "name": name, "label": label, "type": "query", "datasource": DATASOURCE,
-        "definition": definition,
-        "query": {"qryType": 1, "query": definition, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
-        "refresh": 2, "sort": 1, "regex": "", "hide": 0, "multi": True, "includeAll": True,
-        "allValue": ".*", "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-        "options": [], "skipUrlSync": False,
-    }
+    query = {"qryType": 1, "query": f"label_values({metric_selector}, {label})",  # 1: label values
+             "refId": "PrometheusVariableQueryEditor-VariableQuery"}
+    return (dashboard_builders.QueryVariable(name).label(label).datasource(DATASOURCE).query(query)
+            .refresh(dashboard_models.VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .sort(dashboard_models.VariableSort.ALPHABETICAL_ASC).regex("")
+            .hide(dashboard_models.VariableHide.DONT_HIDE).multi(True).include_all(True).all_value(".*")
+            .current(dashboard_models.VariableOption(selected=True, text=["All"], value=["$__all"])))
 
 
-def trace_url_variable(default: str = MLFLOW_TRACE_URL) -> Json:
+def _textbox(name: str, label: str, default: str, description: str) -> dashboard_builders.TextBoxVariable:
+    return (dashboard_builders.TextBoxVariable(name).label(label).default_value(default)
+            .current(dashboard_models.VariableOption(selected=False, text=default, value=default))
+            .options([dashboard_models.VariableOption(selected=True, text=default, value=default)])
+            .hide(dashboard_models.VariableHide.DONT_HIDE).description(description))
+
+
+def trace_url_variable(default: str = MLFLOW_TRACE_URL) -> dashboard_builders.TextBoxVariable:
     """A textbox: the trace UI's URL up to the trace id. Exemplar links (configured on the datasource
     as `${trace_url:raw}${__value.raw}`) read it, so each dashboard viewer can point them elsewhere
     (Jaeger: `http://jaeger:16686/trace/`) or set it with `?var-trace_url=...`."""
-    return {
-        "name": "trace_url", "label": "Trace link (URL before the trace id)", "type": "textbox",
-        "query": default, "current": {"selected": False, "text": default, "value": default},
-        "options": [{"selected": True, "text": default, "value": default}],
-        "hide": 0, "skipUrlSync": False,
-        "description": "Exemplar dots link to <this URL><trace id>. MLflow: <mlflow>/#/experiments/<id>/"
-                       "traces?selectedEvaluationId=tr- ; Jaeger: <jaeger>/trace/ . "
-                       "See README, From an exemplar to the trace.",
-    }
+    return _textbox("trace_url", "Trace link (URL before the trace id)", default,
+                    "Exemplar dots link to <this URL><trace id>. MLflow: <mlflow>/#/experiments/<id>/"
+                    "traces?selectedEvaluationId=tr- ; Jaeger: <jaeger>/trace/ . "
+                    "See README, From an exemplar to the trace.")
 
 
-def session_url_variable(default: str = MLFLOW_SESSION_URL) -> Json:
+def session_url_variable(default: str = MLFLOW_SESSION_URL) -> dashboard_builders.TextBoxVariable:
     """A textbox like `trace_url`, for the `session_id` exemplars of the session judge scores
     (datasource destination `${session_url:raw}${__value.raw}`)."""
-    return {
-        "name": "session_url", "label": "Session link (URL before the session id)", "type": "textbox",
-        "query": default, "current": {"selected": False, "text": default, "value": default},
-        "options": [{"selected": True, "text": default, "value": default}],
-        "hide": 0, "skipUrlSync": False,
-        "description": "Session judge exemplar dots link to <this URL><session id>. MLflow: <mlflow>/#/"
-                       "experiments/<id>/chat-sessions/ . See README, From an exemplar to the trace.",
-    }
+    return _textbox("session_url", "Session link (URL before the session id)", default,
+                    "Session judge exemplar dots link to <this URL><session id>. MLflow: <mlflow>/#/"
+                    "experiments/<id>/chat-sessions/ . See README, From an exemplar to the trace.")
 
 
 def target(expr: str, legend: str, *, exemplar: bool = False, fmt: str = "time_series",
-           instant: bool = False) -> Json:
+           instant: bool = False) -> Target:
     """One PromQL query; `instant` asks for the value now only (a table's rows), not a range."""
-    return {"datasource": DATASOURCE, "expr": expr, "legendFormat": legend, "range": not instant,
-            "instant": instant, "exemplar": exemplar, "format": fmt, "editorMode": "code"}
+    query = (prometheus_builders.Dataquery().datasource(DATASOURCE).expr(expr).legend_format(legend)
+             .exemplar(exemplar).format(prometheus_models.PromQueryFormat(fmt))
+             .editor_mode(prometheus_models.QueryEditorMode.CODE))
+    return query.instant() if instant else query.range()
 
 
-def timeseries(title: str, description: str, targets: Sequence[Json], *, unit: str = "short",
+def _with_targets(panel: Panel, targets: Sequence[Target]) -> Panel:
+    """The panel's queries, lettered A, B, ... in order (what `byFrameRefID` overrides point at)."""
+    return panel.targets([t.ref_id(chr(ord("A") + i)) for i, t in enumerate(targets)])
+
+
+def timeseries(title: str, description: str, targets: Sequence[Target], *, unit: str = "short",
                ratio: bool = False, stack: bool = False, width: int = 12,
-               overrides: Sequence[Json] = (), empty: str | None = None) -> Json:
+               overrides: Sequence[dashboard_builders.DashboardFieldConfigSourceOverrides] = (),
+               empty: str | None = None) -> timeseries_builders.Panel:
     """A time series panel. `empty` is why it can have no data (Grafana's "No value" text, shown
     instead of a bare "No data"): for a panel whose answer, when nothing happened, is 0, the query
     itself says 0 (`or_zero`), and `empty` only names when there is nothing to say 0 about."""
-    defaults: Json = {"unit": "percentunit" if ratio else unit,
-                      "custom": {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 20 if stack else 0,
-                                 "showPoints": "never", "spanNulls": False,
-                                 "stacking": {"mode": "normal" if stack else "none", "group": "A"}}}
+    stacking = common_models.StackingMode.NORMAL if stack else common_models.StackingMode.NONE
+    panel = (timeseries_builders.Panel().title(title).description(description).datasource(DATASOURCE)
+             .unit("percentunit" if ratio else unit)
+             .draw_style(common_models.GraphDrawStyle.LINE).line_width(1).fill_opacity(20 if stack else 0)
+             .show_points(common_models.VisibilityMode.NEVER).span_nulls(False)
+             .stacking(common_builders.StackingConfig().mode(stacking).group("A"))
+             .overrides(list(overrides))
+             .legend(common_builders.VizLegendOptions().display_mode(common_models.LegendDisplayMode.TABLE)
+                     .placement(common_models.LegendPlacement.BOTTOM).show_legend(True)
+                     .calcs(["lastNotNull", "mean"]))
+             .tooltip(common_builders.VizTooltipOptions().mode(common_models.TooltipDisplayMode.MULTI)
+                      .sort(common_models.SortOrder.DESCENDING))
+             .span(width).height(PANEL_HEIGHT))
     if ratio:
-        defaults.update(min=0, max=1)
+        panel.min(0).max(1)
     if empty:
-        defaults["noValue"] = empty
-    return {"type": "timeseries", "title": title, "description": description, "datasource": DATASOURCE,
-            "targets": list(targets), "fieldConfig": {"defaults": defaults, "overrides": list(overrides)},
-            "options": {"legend": {"displayMode": "table", "placement": "bottom", "showLegend": True,
-                                   "calcs": ["lastNotNull", "mean"]},
-                        "tooltip": {"mode": "multi", "sort": "desc"}},
-            "_width": width}
+        panel.no_value(empty)
+    return _with_targets(panel, targets)
 
 
-def heatmap(title: str, description: str, expr: str, *, width: int = 12, empty: str | None = None) -> Json:
-    return {"type": "heatmap", "title": title, "description": description, "datasource": DATASOURCE,
-            "targets": [target(expr, "{{le}}", fmt="heatmap")],
-            "fieldConfig": {"defaults": {"noValue": empty} if empty else {}, "overrides": []},
-            "options": {"calculate": False, "cellGap": 1, "color": {"mode": "scheme", "scheme": "Oranges"},
-                        "yAxis": {"axisPlacement": "left", "unit": "short"},
-                        "tooltip": {"mode": "single", "yHistogram": True},
-                        "exemplars": {"color": "rgba(255,0,255,0.7)"}},
-            "_width": width}
+def heatmap(title: str, description: str, expr: str, *, width: int = 12,
+            empty: str | None = None) -> heatmap_builders.Panel:
+    panel = (heatmap_builders.Panel().title(title).description(description).datasource(DATASOURCE)
+             .calculate(False).cell_gap(1)
+             # Grafana's own color defaults, written out: the SDK's model would otherwise say 0 steps.
+             .color(heatmap_builders.HeatmapColorOptions().mode(heatmap_models.HeatmapColorMode.SCHEME)
+                    .scheme("Oranges").fill("dark-orange").scale(heatmap_models.HeatmapColorScale.EXPONENTIAL)
+                    .exponent(0.5).steps(64).reverse(False))
+             .y_axis(heatmap_builders.YAxisConfig().axis_placement(common_models.AxisPlacement.LEFT)
+                     .unit("short"))
+             .mode(common_models.TooltipDisplayMode.SINGLE).show_y_histogram()
+             .exemplars_color("rgba(255,0,255,0.7)")
+             # Grafana's default, written out so the file reads back through the SDK's types unchanged.
+             .hide_from(common_builders.HideSeriesConfig().legend(False).tooltip(False).viz(False))
+             .span(width).height(PANEL_HEIGHT))
+    if empty:
+        panel.no_value(empty)
+    return _with_targets(panel, [target(expr, "{{le}}", fmt="heatmap")])
 
 
 def table(title: str, description: str, columns: Sequence[tuple[str, str, str]], labels: Sequence[str], *,
-          sort_by: str, width: int = 24, empty: str) -> Json:
+          sort_by: str, width: int = 24, empty: str) -> table_builders.Panel:
     """A table of instant queries that share their labels, one row per label set: `columns` are
     (PromQL, column header, unit), joined on `labels` (Grafana's merge), the label columns first, sorted
     by the column headed `sort_by`, largest first. A table shows no exemplars: a time series of the same
@@ -147,32 +178,34 @@ def table(title: str, description: str, columns: Sequence[tuple[str, str, str]],
     targets = [target(expr, header, fmt="table", instant=True) for expr, header, _ in columns]
     names = {f"Value #{chr(ord('A') + i)}": header for i, (_, header, _) in enumerate(columns)}
     order = {name: i for i, name in enumerate([*labels, *names.values()])}
-    overrides = [{"matcher": {"id": "byName", "options": header},
-                  "properties": [{"id": "unit", "value": unit}]} for _, header, unit in columns]
-    return {"type": "table", "title": title, "description": description, "datasource": DATASOURCE,
-            "targets": targets,
-            "fieldConfig": {"defaults": {"noValue": empty, "custom": {"align": "auto", "filterable": True}},
-                            "overrides": overrides},
-            "options": {"showHeader": True, "cellHeight": "sm", "sortBy": [{"displayName": sort_by,
-                                                                             "desc": True}],
-                        "footer": {"show": False, "reducer": ["sum"], "fields": ""}},
-            "transformations": [{"id": "merge", "options": {}},
-                                {"id": "organize", "options": {"excludeByName": {"Time": True},
-                                                               "indexByName": order,
-                                                               "renameByName": names}}],
-            "_width": width}
+    panel = (table_builders.Panel().title(title).description(description).datasource(DATASOURCE)
+             .no_value(empty).align(common_models.FieldTextAlignment.AUTO).filterable(True)
+             .overrides([dashboard_builders.DashboardFieldConfigSourceOverrides()
+                         .matcher(dashboard_models.MatcherConfig(id_val="byName", options=header))
+                         .properties([dashboard_models.DynamicConfigValue(id_val="unit", value=unit)])
+                         for _, header, unit in columns])
+             .show_header(True).cell_height(common_models.TableCellHeight.SM)
+             .sort_by([common_builders.TableSortByFieldState().display_name(sort_by).desc(True)])
+             .footer(common_builders.TableFooterOptions().show(False).reducer(["sum"]).fields([]))
+             .transformations([
+                 dashboard_models.DataTransformerConfig(id_val="merge", options={}),
+                 dashboard_models.DataTransformerConfig(id_val="organize", options={
+                     "excludeByName": {"Time": True}, "indexByName": order, "renameByName": names})])
+             .span(width).height(PANEL_HEIGHT))
+    return _with_targets(panel, targets)
 
 
-def right_axis(ref_id: str, unit: str) -> Json:
+def right_axis(ref_id: str, unit: str) -> dashboard_builders.DashboardFieldConfigSourceOverrides:
     """An override putting one query's series on a right-hand axis with its own unit (e.g. a count
     beside a ratio)."""
-    return {"matcher": {"id": "byFrameRefID", "options": ref_id},
-            "properties": [{"id": "unit", "value": unit},
-                           {"id": "custom.axisPlacement", "value": "right"}]}
+    return (dashboard_builders.DashboardFieldConfigSourceOverrides()
+            .matcher(dashboard_models.MatcherConfig(id_val="byFrameRefID", options=ref_id))
+            .properties([dashboard_models.DynamicConfigValue(id_val="unit", value=unit),
+                         dashboard_models.DynamicConfigValue(id_val="custom.axisPlacement", value="right")]))
 
 
-def row(title: str) -> Json:
-    return {"type": "row", "title": title, "collapsed": False, "panels": []}
+def row(title: str) -> dashboard_builders.Row:
+    return dashboard_builders.Row(title).collapsed(False)
 
 
 def panel_id(title: str) -> int:
@@ -181,43 +214,46 @@ def panel_id(title: str) -> int:
     return zlib.crc32(title.encode()) % 9_000_000 + 1_000_000
 
 
-def layout(panels: Sequence[Json]) -> list[Json]:
-    """Give panels ids (from their titles, unique in a dashboard) and a grid position: rows span the
-    width, panels flow left to right."""
-    out, x, y, line_height = [], 0, 0, 0
-    for spec in panels:
-        panel = {k: v for k, v in spec.items() if k != "_width"}
-        is_row = panel["type"] == "row"
-        width, height = (24, 1) if is_row else (spec["_width"], 8)
+def layout(board: dashboard_builders.Dashboard, items: Sequence[Item]) -> None:
+    """Add rows and panels to `board` with ids (from their titles, unique in a dashboard) and a grid
+    position: rows span the width, panels flow left to right and wrap to a new line when the next does
+    not fit (the SDK's own placement would let a wide panel overflow the line)."""
+    ids: set[int] = set()
+    x = y = line_height = 0
+    for item in items:
+        is_row = isinstance(item, dashboard_builders.Row)
+        built = item.build()
+        width, height = (24, 1) if is_row else (built.grid_pos.w, built.grid_pos.h)
         if is_row or x + width > 24:
             x, y, line_height = 0, y + line_height, 0
-        panel["id"] = panel_id(panel["title"])
-        if any(p["id"] == panel["id"] for p in out):
-            raise ValueError(f"panel {panel['title']!r}: its id collides with another panel's (same title?)")
-        panel["gridPos"] = {"h": height, "w": width, "x": x, "y": y}
-        for ref, t in enumerate(panel.get("targets", [])):
-            t["refId"] = chr(ord("A") + ref)
+        ident = panel_id(built.title or "")
+        if ident in ids:
+            raise ValueError(f"panel {built.title!r}: its id collides with another panel's (same title?)")
+        ids.add(ident)
+        item.id(ident).grid_pos(dashboard_models.GridPos(h=height, w=width, x=x, y=y))
+        if is_row:
+            board.with_row(item)
+        else:
+            board.with_panel(item)
         x, line_height = x + width, max(line_height, height)
-        out.append(panel)
-    return out
 
 
-def dashboard(uid: str, title: str, description: str, variables: Sequence[Json],
-              panels: Sequence[Json]) -> Json:
-    return {
-        "uid": uid, "title": title, "description": description, "id": None, "version": 1,
-        "schemaVersion": SCHEMA_VERSION, "editable": True, "graphTooltip": 1, "tags": ["tracejudge"],
-        "timezone": "browser", "refresh": "30s", "time": {"from": "now-6h", "to": "now"},
-        "timepicker": {}, "fiscalYearStartMonth": 0, "liveNow": False,
-        "links": [{"type": "dashboards", "tags": ["tracejudge"], "asDropdown": False, "includeVars": True,
-                   "keepTime": True, "title": "tracejudge", "icon": "external link", "targetBlank": False}],
-        "annotations": {"list": [{
-            "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True,
-            "hide": True, "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts",
-            "type": "dashboard"}]},
-        "templating": {"list": [datasource_variable(), *variables]},
-        "panels": layout(panels),
-    }
+def dashboard(uid: str, title: str, description: str, variables: Sequence[Variable],
+              panels: Sequence[Item]) -> dashboard_builders.Dashboard:
+    board = (dashboard_builders.Dashboard(title).uid(uid).description(description).version(1).editable()
+             .tooltip(dashboard_models.DashboardCursorSync.CROSSHAIR).tags(["tracejudge"])
+             .timezone("browser").refresh("30s").time("now-6h", "now")
+             .fiscal_year_start_month(0).live_now(False)
+             .link(dashboard_builders.DashboardLink("tracejudge")
+                   .type(dashboard_models.DashboardLinkType.DASHBOARDS).tags(["tracejudge"])
+                   .as_dropdown(False).include_vars(True).keep_time(True).icon("external link")
+                   .target_blank(False))
+             .annotation(dashboard_builders.AnnotationQuery().built_in(1).name("Annotations & Alerts")
+                         .datasource(dashboard_models.DataSourceRef(type_val="grafana", uid="-- Grafana --"))
+                         .enable(True).hide(True).icon_color("rgba(0, 211, 255, 1)").type("dashboard"))
+             .variables([datasource_variable(), *variables]))
+    layout(board, panels)
+    return board
 
 
 # --- PromQL helpers (one spelling for each kind of query) ---------------------------------------------

@@ -19,7 +19,8 @@ from panels import (
     NO_VERDICTS,
     PASSED_VERDICTS,
     RATE,
-    Json,
+    Board,
+    Item,
     dashboard,
     heatmap,
     histogram_mean,
@@ -39,7 +40,7 @@ from panels import (
 )
 
 
-def quality() -> Json:
+def quality() -> Board:
     sel = 'app=~"$app", judge=~"$judge"'
     judge_only = 'judge=~"$judge"'
     pair = "{{app}} · {{judge}}"
@@ -155,7 +156,7 @@ def quality() -> Json:
         ])
 
 
-def judge_trust() -> list[Json]:
+def judge_trust() -> list[Item]:
     """The Judge trust row of the quality dashboard: observed vs corrected pass rates, calibration and
     its staleness, agreement with human labels, canaries (README "Trusting the judges")."""
     sel, judge_only = 'app=~"$app", judge=~"$judge"', 'judge=~"$judge"'
@@ -206,7 +207,7 @@ def judge_trust() -> list[Json]:
     ]
 
 
-def slo_budget() -> list[Json]:
+def slo_budget() -> list[Item]:
     """The Quality SLOs row: each SLO's error budget left and its burn rate per window, from the rules
     `tracejudge slo render` writes (README "Quality SLOs"); empty, with the reason, without them."""
     sel, slo = 'app=~"$app", judge=~"$judge"', "app_judge_slo:tracejudge_slo"
@@ -227,7 +228,7 @@ def slo_budget() -> list[Json]:
     ]
 
 
-def cost() -> list[Json]:
+def cost() -> list[Item]:
     """The Cost row of the quality dashboard: what the agent's traces and the judges cost, and how much
     of each judge endpoint's hard spend cap is left (README "What it costs: agent and judges")."""
     app, judge_only = 'app=~"$app"', 'judge=~"$judge"'
@@ -274,7 +275,7 @@ def cost() -> list[Json]:
     ]
 
 
-def findings() -> list[Json]:
+def findings() -> list[Item]:
     """The findings row of the quality dashboard: what the failing verdicts of the last findings window
     have in common (`tracejudge findings run`, README "What the failures have in common")."""
     sel = 'app=~"$app", judge=~"$judge"'
@@ -307,7 +308,7 @@ def findings() -> list[Json]:
     ]
 
 
-def conversations() -> list[Json]:
+def conversations() -> list[Item]:
     """The Conversations row of the quality dashboard: `tracejudge sessions` and its session judges."""
     app, sel, judge_only = 'app=~"$app"', 'app=~"$app", judge=~"$session_judge"', 'judge=~"$session_judge"'
     verdicts = "tracejudge_session_judge_verdicts_total"

@@ -3,8 +3,9 @@
 `deploy/` is not a Python package (it ships YAML/JSON plus a few scripts), so its scripts are loaded
 from their paths here. `METRICS` is the list of metric families the dashboards and rules may query:
 the public contract of tracejudge's /metrics (tests check the exporters really export each of them):
-`RUN_METRICS` from `tracejudge run`, `SINK_METRICS` from `tracejudge sink <kind>`, `SESSION_METRICS`
-from `tracejudge sessions` (the stage's and its session judges').
+`RUN_METRICS` from `tracejudge run`, `FLEET_SPEND_METRICS` from it with judges.fleet_spend,
+`SINK_METRICS` from `tracejudge sink <kind>`, `SESSION_METRICS` from `tracejudge sessions` (the stage's
+and its session judges'), `FINDINGS_METRICS` from `tracejudge findings run`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 RULES = DEPLOY / "prometheus" / "rules" / "tracejudge.rules.yml"
+# Rendered by `tracejudge slo render` from deploy/config/slos.example.yaml (a test fails on drift).
+SLO_RULES = DEPLOY / "prometheus" / "rules" / "tracejudge.slo.example.rules.yml"
 RULE_TESTS = DEPLOY / "prometheus" / "tests"
 ALERTMANAGER = DEPLOY / "prometheus" / "alertmanager.yml"
 DASHBOARDS = DEPLOY / "grafana" / "dashboards"
@@ -69,6 +72,11 @@ def recording_rules() -> set[str]:
     return {r["record"] for g in rule_groups() for r in g["rules"] if "record" in r}
 
 
+def slo_recording_rules() -> set[str]:
+    """The recording rules of the example SLO rules: the names every `tracejudge slo render` file uses."""
+    return {r["record"] for g in load_yaml(SLO_RULES)["groups"] for r in g["rules"] if "record" in r}
+
+
 def alerts() -> list[dict[str, Any]]:
     return [r for g in rule_groups() for r in g["rules"] if "alert" in r]
 
@@ -98,8 +106,12 @@ RUN_METRICS: dict[str, Family] = {
     "tracejudge_consumer_lag_records": Family("gauge", ("topic", "partition"),
                                               "Records between the consumer position and the partition end."),
     "tracejudge_commits_total": Family("counter", (), "Successful offset commits."),
-    "tracejudge_judge_verdicts_total": Family("counter", ("app", "judge", "verdict"),
-                                              "Judge verdicts; verdict pass or fail."),
+    "tracejudge_judge_verdicts_total": Family("counter", ("app", "judge", "verdict", "version"),
+                                              "Judge verdicts; verdict pass or fail; the app's version."),
+    "tracejudge_app_version_first_seen_timestamp_seconds": Family(
+        "gauge", ("app", "version"), "When each of an app's most recent versions was first seen."),
+    "tracejudge_version_label_overflow_total": Family(
+        "counter", (), "Verdicts whose version was exported as 'other' (older than the kept ones)."),
     "tracejudge_judge_score": Family("histogram", ("app", "judge"),
                                      "Judge scores in [0, 1] (1 = good); trace_id exemplar."),
     "tracejudge_judge_eligible_total": Family("counter", ("app", "judge"),
@@ -140,6 +152,15 @@ RUN_METRICS: dict[str, Family] = {
                                               "An endpoint's spend cap, USD (per process)."),
 }
 
+# Exported by `tracejudge run` (and `tracejudge sessions`) with judges.fleet_spend only
+# (metrics/judges/fleet_spend.py): the fleet-wide spend caps.
+FLEET_SPEND_METRICS: dict[str, Family] = {
+    "tracejudge_judge_spend_fleet_usd": Family("gauge", ("endpoint", "window"),
+                                               "The fleet's spend on an endpoint this hour / day, USD."),
+    "tracejudge_judge_spend_fleet_fallback": Family("gauge", ("endpoint",),
+                                                    "1 while a replica charges a local share of the cap."),
+}
+
 # Exported by `tracejudge sink <kind>` (the write-back runtime and its sinks), not by `tracejudge run`.
 SINK_METRICS: dict[str, Family] = {
     "tracejudge_sink_writes_total": Family("counter", ("sink", "outcome"),
@@ -154,6 +175,14 @@ SINK_METRICS: dict[str, Family] = {
                                             "Batches written (one per partition per checkpoint)."),
     "tracejudge_sink_dead_letters_total": Family("counter", ("sink", "reason"),
                                                  "Results-topic records the sink dead-lettered, by reason."),
+    # Parked results (the sink runtime, metrics/telemetry/sinks.py): deferred, offered again later.
+    "tracejudge_sink_parked_records": Family("gauge", ("sink",), "Deferred results waiting to be offered."),
+    "tracejudge_sink_parked_total": Family("counter", ("sink",), "Results parked (first time)."),
+    "tracejudge_sink_parked_retries_total": Family("counter", ("sink",), "Parked results offered again."),
+    "tracejudge_sink_park_full_total": Family("counter", ("sink",),
+                                              "Deferred results that found the parked set full."),
+    "tracejudge_sink_given_up_total": Family("counter", ("sink", "reason"),
+                                             "Parked results given up on at their deadline, by reason."),
 }
 
 # Exported by `tracejudge sessions` (the session stage, metrics/telemetry/sessions.py, and its session
@@ -204,7 +233,19 @@ SESSION_JUDGE_METRICS: dict[str, Family] = {
                                                     "Session judgements that gave no verdict, by reason."),
 }
 SESSION_METRICS: dict[str, Family] = {**SESSION_STAGE_METRICS, **SESSION_JUDGE_METRICS}
-METRICS: dict[str, Family] = {**RUN_METRICS, **SINK_METRICS, **SESSION_METRICS}
+
+# Exported by `tracejudge findings run` (metrics/telemetry/findings.py): the last window's findings.
+_FINDING = ("app", "judge", "dimension", "value")
+FINDINGS_METRICS: dict[str, Family] = {
+    "tracejudge_failure_concentration": Family("gauge", _FINDING, "Lift of a finding of the last window."),
+    "tracejudge_failure_concentration_lower": Family("gauge", _FINDING, "The lift's lower bound."),
+    "tracejudge_failure_concentration_failing": Family("gauge", _FINDING, "Failing verdicts with the value."),
+    "tracejudge_failure_concentration_verdicts": Family("gauge", _FINDING, "Verdicts with the value."),
+    "tracejudge_failure_concentration_failures_total": Family(
+        "counter", _FINDING, "Failing verdicts of a finding, added per window; trace_id exemplar."),
+}
+METRICS: dict[str, Family] = {**RUN_METRICS, **FLEET_SPEND_METRICS, **SINK_METRICS, **SESSION_METRICS,
+                              **FINDINGS_METRICS}
 
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
