@@ -2,7 +2,8 @@
 
 Two apps answer questions about Tideline, a fictional team task tracker: `support-bot` (plans, billing,
 accounts) and `docs-qa` (its REST API). Each request retrieves documents from an in-memory corpus
-(a RETRIEVER span returning `mlflow.entities.Document`s), sometimes calls a tool (a TOOL span), then
+(`tracejudge.consumer.demo.corpus`; a RETRIEVER span returning `mlflow.entities.Document`s), calls
+its topic's tool when it has one (`TOOL_CALL_SHARE` of the time; a TOOL span), then
 "calls a model" (a CHAT_MODEL span with `mlflow.chat.tokenUsage`). A configurable share of answers is
 ungrounded (built from invented facts that no retrieved document states) and a configurable share of
 requests fails with a raised exception recorded on the span that raised it and on the root.
@@ -28,22 +29,38 @@ gap between its turns (the demo's session stage closes a session after a few sec
 
 With `mlflow_tracking_uri` the spans are also exported (OTLP/HTTP, `<uri>/v1/traces`, experiment
 `mlflow_experiment_id`) to that MLflow tracking server, so its traces exist there under the same
-`tr-<hex>` ids and a sink can write verdicts onto them; an unreachable server costs the export (logged
-by the OpenTelemetry SDK), never the demo.
+`tr-<hex>` ids and tags (app, topic, version; root attributes `mlflow.traceTag.<key>` then) and a sink
+can write verdicts onto them; an unreachable server costs the export (logged by the OpenTelemetry SDK),
+never the demo.
+
+Planted causes (`AgentSettings.stale_doc_after`, `failing_tool_after`, `ungrounded_release_after`: off
+when None, else on from the trace after that many): the page a monitor should raise, with one cause a
+findings analysis can name. A stale document (`STALE_DOC_URI`): its RETRIEVER output carries an
+outdated page and every answer of a request that retrieved it is ungrounded. A failing tool
+(`FAILING_TOOL`): its span ends in error, the agent answers without it, ungrounded. An ungrounded
+release: traces state `RELEASE_VERSION` instead of `version` (tag and metadata `VERSION_TAG`, root
+attribute `gen_ai.agent.version`) and `release_ungrounded_share` of the answers are ungrounded. Every
+trace states its version. A plant changes only what it causes: the requests - apps, topics,
+questions, retrieved documents, tool calls, failures, conversations - are drawn in the same order from
+the same random stream whatever is planted (the answers' wording has a stream of its own), so a seed
+gives the same requests with and without a plant.
+
+Healthy defaults: 4% ungrounded, 2% failing requests (the demo's 4% of frustrated conversations are
+the command's): every alert of deploy/prometheus/rules stays quiet until a cause is planted.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
-import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
+
+from tracejudge.consumer.demo.corpus import GIVE_UPS, REPEATS, TOPICS, Index, Topic, terms
 
 if TYPE_CHECKING:  # mlflow is the `demo` extra; imported when an agent starts
     from mlflow.entities import LiveSpan
@@ -55,191 +72,33 @@ APPS: tuple[str, ...] = ("support-bot", "docs-qa")
 EXPERIMENT_IDS: dict[str, str] = {"support-bot": "1", "docs-qa": "2"}
 MODEL = "gpt-4o-mini"
 TOP_K = 3
-# How a user who was not helped asks again, and how they give up (the last turn of a frustrated
-# conversation). Repeating the question and giving up are what a frustration judge looks for.
-REPEATS: tuple[str, ...] = ("{question}", "I asked: {question}", "Again: {question}",
-                            "That does not answer it. {question}")
-GIVE_UPS: tuple[str, ...] = ("Forget it, this is not helping. I will contact support.",
-                             "Never mind, I give up.",
-                             "This is useless, forget it.")
+# A request whose topic has a tool calls it this often (the decision is drawn for every request).
+TOOL_CALL_SHARE = 0.8
 
-
-@dataclass(frozen=True, slots=True)
-class CorpusDoc:
-    doc_id: str
-    uri: str
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class Topic:
-    """Questions about one subject, the documents that answer them and facts nobody wrote down."""
-
-    app: str
-    name: str
-    questions: tuple[str, ...]
-    docs: tuple[CorpusDoc, ...]
-    # Plausible, on-topic, and stated by no document: what an ungrounded answer says.
-    invented: tuple[str, ...]
-    # (tool name, argument name, argument values) when answering needs a lookup.
-    tool: tuple[str, str, tuple[str, ...]] | None = None
-
-
-def _docs(base: str, *texts: str) -> tuple[CorpusDoc, ...]:
-    slug = base.rsplit("/", 1)[-1]
-    return tuple(CorpusDoc(f"{slug}-{i}", f"https://docs.tideline.example/{base}#p{i}", t)
-                 for i, t in enumerate(texts, 1))
-
-
-TOPICS: tuple[Topic, ...] = (
-    Topic("support-bot", "plans",
-          ("Which plans does Tideline offer?", "What is included in the Tideline Team plan?",
-           "How many members can a Free workspace have?"),
-          _docs("billing/plans",
-                "Tideline offers three plans: Free, Team and Enterprise.",
-                "The Free plan allows up to 5 members and 3 active boards per workspace.",
-                "The Team plan costs 8 dollars per member per month and includes unlimited boards."),
-          ("Tideline has a Starter plan at 2 dollars that includes phone support around the clock.",
-           "Every plan comes with a lifetime licence after 24 months of payments.")),
-    Topic("support-bot", "refunds",
-          ("Can I get a refund for my Tideline subscription?", "How long do refunds take?",
-           "What is the refund policy for annual billing?"),
-          _docs("billing/refunds",
-                "Annual subscriptions can be refunded in full within 30 days of purchase.",
-                "Monthly subscriptions are not refunded, but you can cancel at any time.",
-                "Refunds are issued to the original payment method within 5 to 10 business days."),
-          ("Refunds are paid out as store credit which expires after 90 days.",
-           "A cancellation fee of 15 percent is deducted from every refund."),
-          ("lookup_invoice", "invoice_id", ("INV-1042", "INV-2210", "INV-3377"))),
-    Topic("support-bot", "sso",
-          ("Does Tideline support single sign-on?", "How do I set up SAML SSO?",
-           "Which identity providers work with Tideline SSO?"),
-          _docs("security/sso",
-                "Single sign-on with SAML 2.0 is available on the Enterprise plan.",
-                "Tideline SSO has been tested with Okta, Azure AD and Google Workspace.",
-                "An owner enables SSO under Settings, Security, then uploads the identity provider "
-                "metadata."),
-          ("SSO is included in the Free plan when a workspace verifies two domains.",
-           "Tideline only supports LDAP bind authentication for single sign-on."),
-          ("get_sso_config", "workspace_id", ("ws-12", "ws-480", "ws-733"))),
-    Topic("support-bot", "export",
-          ("How can I export my Tideline data?", "Can I export boards to CSV?",
-           "Is there a full workspace backup?"),
-          _docs("data/export",
-                "Boards can be exported to CSV or JSON from the board menu.",
-                "Workspace owners can request a full export, delivered as a ZIP archive by email.",
-                "Full exports include attachments and are available for 7 days after they are ready."),
-          ("Exports are mailed on a USB drive to the billing address within a month.",
-           "Only PDF exports are supported, one task per page.")),
-    Topic("support-bot", "account",
-          ("Why was my Tideline account suspended?", "What plan is my workspace on?",
-           "How do I transfer workspace ownership?"),
-          _docs("account/suspension",
-                "An account is suspended after three failed payment attempts on its workspace plan.",
-                "Workspace ownership is transferred by the current owner under Settings, Members.",
-                "Suspended accounts stay readable for 60 days before they are deleted."),
-          ("Suspended workspaces are deleted immediately and cannot be recovered.",
-           "Ownership can only be transferred by mailing a signed paper form."),
-          ("get_account", "account_id", ("acct-77", "acct-301", "acct-958"))),
-    Topic("support-bot", "mobile",
-          ("Is there a Tideline mobile app?", "Does the mobile app work offline?",
-           "Which phones support the Tideline app?"),
-          _docs("apps/mobile",
-                "Tideline has mobile apps for iOS 16 or later and Android 11 or later.",
-                "The mobile app caches recent boards so they can be read offline.",
-                "Changes made offline in the mobile app sync when the device reconnects."),
-          ("The mobile app is a paid add-on that costs 4 dollars per device.",
-           "Offline mode requires a smartwatch paired with the phone.")),
-    Topic("docs-qa", "auth",
-          ("How do I authenticate to the Tideline API?", "Where do I create an API token?",
-           "Do Tideline API tokens expire?"),
-          _docs("api/authentication",
-                "API requests are authenticated with a bearer token in the Authorization header.",
-                "Personal API tokens are created under Settings, Developer, API tokens.",
-                "Tokens expire after 90 days unless they are rotated earlier."),
-          ("The API authenticates requests with a signed cookie that lasts one hour.",
-           "Tokens never expire and cannot be revoked once created.")),
-    Topic("docs-qa", "rate-limits",
-          ("What are the Tideline API rate limits?", "What happens when I exceed the rate limit?",
-           "How many API requests can I make per minute?"),
-          _docs("api/rate-limits",
-                "The rate limit is 600 API requests per minute for each token.",
-                "Requests that exceed the rate limit get HTTP 429 with a Retry-After header.",
-                "Bulk endpoints count as one request per 100 items."),
-          ("The API allows 10 requests per day on every plan.",
-           "Requests over the limit are queued for an hour and answered by email.")),
-    Topic("docs-qa", "pagination",
-          ("How does pagination work in the Tideline API?", "How do I get the next page of tasks?",
-           "What is the maximum page size?"),
-          _docs("api/pagination",
-                "Pagination in the API is cursor based: list endpoints return a next_cursor field when "
-                "more results exist.",
-                "Pass the cursor as the cursor query parameter to fetch the next page.",
-                "The page size defaults to 50 and can be raised to at most 200 with the limit parameter."),
-          ("Pages are numbered and the API returns all results when page is zero.",
-           "The maximum page size is 10000 records for Enterprise tokens.")),
-    Topic("docs-qa", "webhooks",
-          ("How do Tideline webhooks work?", "How do I verify a webhook signature?",
-           "Are failed webhook deliveries retried?"),
-          _docs("api/webhooks",
-                "Webhooks work by sending a POST request with a JSON body when a task changes.",
-                "Each delivery is signed with HMAC SHA-256 in the X-Tideline-Signature header.",
-                "Failed deliveries are retried up to 8 times with exponential backoff."),
-          ("Webhooks are delivered over FTP once a night in a single batch.",
-           "Signatures use MD5 and are sent in the query string."),
-          ("list_webhook_deliveries", "webhook_id", ("wh-5", "wh-81", "wh-204"))),
-    Topic("docs-qa", "status",
-          ("Is Tideline down right now?", "Is there an outage in the EU region?",
-           "Where can I check API availability?"),
-          _docs("api/status",
-                "Current API availability, outages and downtime are published on status.tideline.example.",
-                "The API is served from the us-east and EU central regions, which fail over independently.",
-                "Scheduled maintenance is announced 72 hours in advance."),
-          ("The API shuts down every Sunday for a full day of maintenance.",
-           "Outages are only announced through the mobile app."),
-          ("check_api_status", "region", ("us-east", "eu-central"))),
-    Topic("docs-qa", "sdks",
-          ("Is there an official Tideline SDK?", "How do I install the Python SDK?",
-           "Which languages have Tideline client libraries?"),
-          _docs("api/sdks",
-                "Official SDK client libraries exist for three languages: Python, TypeScript and Go.",
-                "Install the Python SDK with pip install tideline.",
-                "The SDKs retry HTTP 429 responses automatically."),
-          ("The only SDK is written in COBOL and ships on request.",
-           "The Python SDK must be compiled from source with a licence key.")),
-)
-
-_WORD = re.compile(r"[a-z0-9]+")
-_STOPWORDS = frozenset(("a", "an", "the", "is", "are", "do", "does", "i", "my", "me", "can", "how", "what",
-                        "which", "where", "when", "why", "to", "of", "in", "on", "for", "with", "be", "and",
-                        "or", "there", "it", "at", "by", "from", "get"))
-
-
-def _terms(text: str) -> set[str]:
-    # A five-letter prefix is a crude stemmer ("refunds"/"refunded"), enough for a toy retriever.
-    return {w[:5] for w in _WORD.findall(text.lower()) if w not in _STOPWORDS}
+# -- the planted causes: stable strings a findings analysis is expected to name ------------------
+# The stale page: retrieved for the plan questions and one about SSO, and no other document is
+# retrieved only with it, so its traces are not any other document's (nor any topic's) traces.
+STALE_DOC_URI = "https://docs.tideline.example/billing/plans#p1"
+STALE_DOC_TEXT = ("Tideline offers two plans, Basic and Pro, both billed yearly. "
+                  "(Last reviewed March 2021.)")
+# The failing tool: support-bot looks up the asker's account on most account and export questions.
+FAILING_TOOL = "get_account"
+FAILING_TOOL_ERROR = "account service returned 503 Service Unavailable"
+DEGRADED_PREFIX = "I could not look up your account just now. "
+# The trace tag and metadata key stating the app's version (`stream.version_tag` names it).
+VERSION_TAG = "app_version"
+AGENT_VERSION_ATTRIBUTE = "gen_ai.agent.version"
+DEFAULT_VERSION = "1.4.0"
+RELEASE_VERSION = "1.5.0"
+RELEASE_UNGROUNDED_SHARE = 0.35
+# What `AgentTrace.planted` names, per plant.
+STALE_DOC, FAILING_TOOL_PLANT, UNGROUNDED_RELEASE = "stale-doc", "failing-tool", "ungrounded-release"
+PLANTS: tuple[str, ...] = (STALE_DOC, FAILING_TOOL_PLANT, UNGROUNDED_RELEASE)
 
 
 def _tokens(text: str) -> int:
     # ~0.75 words per token for English prose: close enough for a demo's token counts.
     return max(1, round(len(text.split()) * 4 / 3))
-
-
-class _Index:
-    """Keyword retrieval weighted by inverse document frequency: small, deterministic, mostly right."""
-
-    def __init__(self, docs: Sequence[CorpusDoc]) -> None:
-        self._docs = [(d, _terms(d.text)) for d in docs]
-        df: dict[str, int] = {}
-        for _, terms in self._docs:
-            for term in terms:
-                df[term] = df.get(term, 0) + 1
-        self._idf = {term: math.log(len(docs) / n) for term, n in df.items()}
-
-    def search(self, query: str, k: int) -> list[CorpusDoc]:
-        q = _terms(query)
-        scored = sorted(self._docs, key=lambda dt: (-sum(self._idf[t] for t in q & dt[1]), dt[0].doc_id))
-        return [d for d, _ in scored[:k]]
 
 
 class ToolTimeout(TimeoutError):
@@ -254,12 +113,18 @@ class IndexUnavailable(ConnectionError):
     pass
 
 
+class ToolUnavailable(ConnectionError):
+    pass
+
+
 @dataclass(frozen=True, slots=True)
 class AgentSettings:
-    """`ungrounded_share` applies to the answered requests, `failure_share` to all of them."""
+    """`ungrounded_share` applies to the answered requests, `failure_share` to all of them. The
+    defaults are the demo's healthy baseline (every alert quiet); a `*_after` plants a cause from
+    the trace after that many (None: never)."""
 
-    ungrounded_share: float = 0.3
-    failure_share: float = 0.05
+    ungrounded_share: float = 0.04
+    failure_share: float = 0.02
     apps: tuple[str, ...] = APPS
     seed: int | None = None
     # Conversations: the share whose user repeats the question and gives up (of conversations),
@@ -270,18 +135,54 @@ class AgentSettings:
     # Also export the spans to this MLflow tracking server's OTLP endpoint (None: capture only).
     mlflow_tracking_uri: str | None = None
     mlflow_experiment_id: str = "0"
+    # The version every trace states until an ungrounded release is planted.
+    version: str = DEFAULT_VERSION
+    # The planted causes (see the module's docstring).
+    stale_doc_after: int | None = None
+    failing_tool_after: int | None = None
+    ungrounded_release_after: int | None = None
+    release_version: str = RELEASE_VERSION
+    release_ungrounded_share: float = RELEASE_UNGROUNDED_SHARE
 
     def __post_init__(self) -> None:
         if self.max_turns < 1 or self.concurrent_conversations < 1:
             raise ValueError(f"max_turns and concurrent_conversations must be at least 1, got "
                              f"{self.max_turns} and {self.concurrent_conversations}")
-        for name in ("ungrounded_share", "failure_share", "frustrated_share"):
+        for name in ("ungrounded_share", "failure_share", "frustrated_share", "release_ungrounded_share"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be between 0 and 1, got {value}")
         unknown = set(self.apps) - set(APPS)
         if not self.apps or unknown:
             raise ValueError(f"apps must be a non-empty subset of {list(APPS)}, got {list(self.apps)}")
+        for name in ("stale_doc_after", "failing_tool_after", "ungrounded_release_after"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be a number of traces (0 or more), got {value}")
+        if not self.version.strip() or not self.release_version.strip():
+            raise ValueError("version and release_version must not be blank")
+        if self.ungrounded_release_after is not None and self.release_version == self.version:
+            raise ValueError(f"release_version must differ from version ({self.version!r}): the release "
+                             "is told apart by its version")
+
+    def planted_after(self) -> dict[str, int]:
+        """The planted causes and the traces served before each takes effect."""
+        afters = zip(PLANTS, (self.stale_doc_after, self.failing_tool_after, self.ungrounded_release_after),
+                     strict=True)
+        return {plant: after for plant, after in afters if after is not None}
+
+    def describe(self, plant: str) -> str:
+        """What `plant` does, naming what a findings analysis should name (a doc_uri, a tool, a version)."""
+        if plant == STALE_DOC:
+            return (f"stale document {STALE_DOC_URI}: answers of requests that retrieve it are "
+                    "ungrounded")
+        if plant == FAILING_TOOL_PLANT:
+            return f"failing tool {FAILING_TOOL}: its span errors and the answer is made up without it"
+        if plant == UNGROUNDED_RELEASE:
+            return (f"release {self.release_version} replacing {self.version}: "
+                    f"{self.release_ungrounded_share:.0%} of its answers ungrounded "
+                    f"(instead of {self.ungrounded_share:.0%})")
+        raise ValueError(f"unknown plant {plant!r}; one of {', '.join(PLANTS)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,6 +203,10 @@ class AgentTrace:
     frustrated: bool = False
     conversation_ended: bool = True
     turn: int = 1
+    # The version the trace states, and the planted causes that changed this request (a stale
+    # document it retrieved, the failing tool it called, the release that served it).
+    version: str = DEFAULT_VERSION
+    planted: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -332,9 +237,11 @@ class SyntheticRagAgent:
         self._rng = random.Random(self.settings.seed)
         self._ids_rng = random.Random(self._rng.getrandbits(64))
         self._topics = [t for t in TOPICS if t.app in self.settings.apps]
-        self._index = {app: _Index([d for t in self._topics if t.app == app for d in t.docs])
+        self._index = {app: Index([d for t in self._topics if t.app == app for d in t.docs])
                        for app in self.settings.apps}
         self._conv_rng = random.Random(self._rng.getrandbits(64))
+        # The answers' wording: a stream of its own, so an answer a plant changes changes nothing else.
+        self._answer_rng = random.Random(self._rng.getrandbits(64))
         self._captured: list[Any] = []
         self._open = False
         self._sequence = 0
@@ -407,24 +314,37 @@ class SyntheticRagAgent:
         topic, question, query = self._next_question(conv)
         failure = rng.choice(("retriever", "tool", "model")) if rng.random() < self.settings.failure_share \
             else None
-        if failure == "tool" and topic.tool is None:
+        # Drawn for every request, whatever its topic and whatever is planted: the stream of requests
+        # stays the same when a plant changes what a request does.
+        calls_tool = rng.random() < TOOL_CALL_SHARE and topic.tool is not None
+        if failure == "tool" and not calls_tool:
             failure = "model"
-        grounded = rng.random() >= self.settings.ungrounded_share
-        request = _Request(topic=topic, question=question, failure=failure, grounded=grounded,
+        grounded_draw = rng.random()
+        active = self._active_plants()
+        release = UNGROUNDED_RELEASE in active
+        share = self.settings.release_ungrounded_share if release else self.settings.ungrounded_share
+        request = _Request(topic=topic, question=question, failure=failure, grounded=grounded_draw >= share,
                            number=self._sequence, session_id=conv.session_id, user_id=conv.user_id,
-                           query=query)
+                           query=query, calls_tool=calls_tool, plants=active,
+                           version=self.settings.release_version if release else self.settings.version)
         self._captured.clear()
-        tools = self._serve(request)
+        served = self._serve(request)
         if len(self._captured) != 1:
             raise RuntimeError(f"expected one captured trace, got {len(self._captured)}")
         trace = self._captured.pop()
         ended = conv.turns >= conv.planned
         if ended:
             self._conversations.remove(conv)
+        planted = tuple(p for p in PLANTS if p in served.planted or (p == UNGROUNDED_RELEASE and release))
         return AgentTrace(trace_id=trace.info.trace_id, app=topic.app, payload=trace.to_json().encode(),
-                          failed=failure is not None, grounded=None if failure else grounded,
-                          tools=tools, session_id=conv.session_id, user_id=conv.user_id,
-                          frustrated=conv.frustrated, conversation_ended=ended, turn=conv.turns)
+                          failed=failure is not None, grounded=None if failure else served.grounded,
+                          tools=tuple(served.tools), session_id=conv.session_id, user_id=conv.user_id,
+                          frustrated=conv.frustrated, conversation_ended=ended, turn=conv.turns,
+                          version=request.version, planted=planted)
+
+    def _active_plants(self) -> frozenset[str]:
+        """The plants in effect for the current request: each from the trace after its `after`."""
+        return frozenset(p for p, after in self.settings.planted_after().items() if self._sequence > after)
 
     def _pick_conversation(self, start_new: bool) -> _Conversation:
         rng, open_ = self._conv_rng, self._conversations
@@ -462,35 +382,44 @@ class SyntheticRagAgent:
             conv.question = question
         return topic, question, question
 
-    def _serve(self, req: _Request) -> tuple[str, ...]:
+    def _serve(self, req: _Request) -> _Served:
         import mlflow
         from mlflow.entities import SpanType
 
         rng = self._rng
         clock = _VirtualClock(rng)
+        # The version as MLflow's version tracking has an app state it: a trace tag and metadata.
+        tags = {APP_TAG: req.topic.app, "topic": req.topic.name, VERSION_TAG: req.version}
         root = mlflow.start_span_no_context(
             "rag_agent", span_type=SpanType.AGENT,
             inputs={"messages": [{"role": "user", "content": req.question}]},
-            tags={APP_TAG: req.topic.app, "topic": req.topic.name},
-            metadata={"mlflow.trace.session": req.session_id, "mlflow.trace.user": req.user_id},
+            tags=tags,
+            metadata={"mlflow.trace.session": req.session_id, "mlflow.trace.user": req.user_id,
+                      VERSION_TAG: req.version},
             experiment_id=EXPERIMENT_IDS[req.topic.app], start_time_ns=clock.start_ns,
         )
         # What MLflow's OTLP ingest reads for the session and the user (trace metadata is not sent
-        # over OTLP); the OpenTelemetry semantic conventions' names.
-        root.set_attributes({"session.id": req.session_id, "user.id": req.user_id})
-        tools: list[str] = []
+        # over OTLP); the OpenTelemetry semantic conventions' names, the agent's version included.
+        root.set_attributes({"session.id": req.session_id, "user.id": req.user_id,
+                             AGENT_VERSION_ATTRIBUTE: req.version})
+        if self.settings.mlflow_tracking_uri:
+            # Trace tags are not sent over OTLP either: MLflow's ingest reads them from the root's
+            # `mlflow.traceTag.<key>` attributes (what its own OtelSpanProcessor writes), and an
+            # alert's traces link filters MLflow's traces view on the app's tag.
+            root.set_attributes({f"{TRACE_TAG_ATTRIBUTE_PREFIX}{k}": v for k, v in tags.items()})
+        served = _Served(grounded=req.grounded)
         try:
-            docs = self._retrieve(root, req, clock)
-            if req.topic.tool is not None:
-                tools.append(self._call_tool(root, req, clock))
-            answer = self._chat(root, req, docs, clock)
+            docs = self._retrieve(root, req, clock, served)
+            if req.calls_tool:
+                self._call_tool(root, req, clock, served)
+            answer = self._chat(root, req, docs, clock, served)
         except Exception as exc:
             _end_with_exception(root, exc, clock.advance(1, 3))
         else:
             root.end(outputs=answer, end_time_ns=clock.advance(1, 5))
-        return tuple(tools)
+        return served
 
-    def _retrieve(self, root: LiveSpan, req: _Request, clock: _VirtualClock) -> list[Any]:
+    def _retrieve(self, root: LiveSpan, req: _Request, clock: _VirtualClock, served: _Served) -> list[Any]:
         import mlflow
         from mlflow.entities import Document, SpanType
 
@@ -501,46 +430,66 @@ class SyntheticRagAgent:
         end = clock.advance(15, 120)
         if req.failure == "retriever":
             _raise_into(span, IndexUnavailable("vector index tideline-docs is unavailable (503)"), end)
-        docs = [Document(page_content=d.text, metadata={"doc_uri": d.uri, "chunk_id": d.doc_id}, id=d.doc_id)
-                for d in self._index[req.topic.app].search(req.query, TOP_K)]
+        found = self._index[req.topic.app].search(req.query, TOP_K)
+        stale = STALE_DOC in req.plants and any(d.uri == STALE_DOC_URI for d in found)
+        if stale:
+            # The index serves an outdated copy of the page; handed it, the model makes things up.
+            served.plant(STALE_DOC)
+            served.grounded = False
+        docs = [Document(page_content=STALE_DOC_TEXT if stale and d.uri == STALE_DOC_URI else d.text,
+                         metadata={"doc_uri": d.uri, "chunk_id": d.doc_id}, id=d.doc_id) for d in found]
         span.end(outputs=docs, end_time_ns=end)
         return docs
 
-    def _call_tool(self, root: LiveSpan, req: _Request, clock: _VirtualClock) -> str:
+    def _call_tool(self, root: LiveSpan, req: _Request, clock: _VirtualClock, served: _Served) -> None:
         import mlflow
         from mlflow.entities import SpanType
 
         assert req.topic.tool is not None
         name, arg, values = req.topic.tool
-        value = self._rng.choice(values)
-        start = clock.advance(1, 5)
+        rng = self._rng
+        # Every draw made whatever the outcome, so an outcome changes nothing after it.
+        value, status = rng.choice(values), rng.choice(("ok", "active", "paid", "operational"))
+        start, ok_ms, timeout_ms = clock.advance(1, 5), rng.uniform(40, 400), rng.uniform(5000, 5010)
+        served.tools.append(name)
         span = mlflow.start_span_no_context(name, span_type=SpanType.TOOL, parent_span=root,
                                             inputs={arg: value}, start_time_ns=start)
         if req.failure == "tool":
-            _raise_into(span, ToolTimeout(f"{name} did not answer within 5.0s"), clock.advance(5000, 5010))
-        span.end(outputs={arg: value, "status": self._rng.choice(("ok", "active", "paid", "operational"))},
-                 end_time_ns=clock.advance(40, 400))
-        return name
+            _raise_into(span, ToolTimeout(f"{name} did not answer within 5.0s"), clock.advance_ms(timeout_ms))
+        if FAILING_TOOL_PLANT in req.plants and name == FAILING_TOOL:
+            # The agent carries on without the lookup: the span is in error, the trace is not.
+            try:
+                raise ToolUnavailable(f"{name}: {FAILING_TOOL_ERROR}")
+            except ToolUnavailable as exc:
+                _end_with_exception(span, exc, clock.advance_ms(ok_ms))
+            served.plant(FAILING_TOOL_PLANT)
+            served.grounded = False
+            served.degraded = True
+            return
+        span.end(outputs={arg: value, "status": status}, end_time_ns=clock.advance_ms(ok_ms))
 
-    def _chat(self, root: LiveSpan, req: _Request, docs: Sequence[Any], clock: _VirtualClock) -> str:
+    def _chat(self, root: LiveSpan, req: _Request, docs: Sequence[Any], clock: _VirtualClock,
+              served: _Served) -> str:
         import mlflow
         from mlflow.entities import SpanType
         from mlflow.tracing.constant import SpanAttributeKey
 
-        rng = self._rng
+        rng, words = self._rng, self._answer_rng
         context = "\n".join(f"[{d.id}] {d.page_content}" for d in docs)
         messages = [
             {"role": "system", "content": "Answer the question using only the context below.\n\n"
                                           f"Context:\n{context}"},
             {"role": "user", "content": req.question},
         ]
-        if req.grounded:
+        if served.grounded:
             # The documents that share the most words with the question carry the answer.
-            q = _terms(req.query)
-            ranked = sorted(docs, key=lambda d: -len(q & _terms(d.page_content)))
-            answer = " ".join(d.page_content for d in ranked[:rng.choice((1, 2))])
+            q = terms(req.query)
+            ranked = sorted(docs, key=lambda d: -len(q & terms(d.page_content)))
+            answer = " ".join(d.page_content for d in ranked[:words.choice((1, 2))])
         else:
-            answer = " ".join(rng.sample(req.topic.invented, k=rng.choice((1, 2))))
+            answer = " ".join(words.sample(req.topic.invented, k=words.choice((1, 2))))
+        if served.degraded:
+            answer = DEGRADED_PREFIX + answer
         usage = {"input_tokens": sum(_tokens(m["content"]) for m in messages) + 7,
                  "output_tokens": _tokens(answer)}
         usage["total_tokens"] = usage["input_tokens"] + usage["output_tokens"]
@@ -577,6 +526,24 @@ class _Request:
     # What the agent retrieves and answers for: the question, or for a repeat or a give-up the
     # question the conversation is about.
     query: str
+    calls_tool: bool = False
+    # The plants in effect, and the version serving the request.
+    plants: frozenset[str] = frozenset()
+    version: str = DEFAULT_VERSION
+
+
+@dataclass(slots=True)
+class _Served:
+    """What serving a request did: the tools it called, whether its answer is grounded (a plant can
+    make it ungrounded, or degraded: said without a failed lookup), and the plants that changed it."""
+
+    grounded: bool
+    tools: list[str] = field(default_factory=list)
+    degraded: bool = False
+    planted: set[str] = field(default_factory=set)
+
+    def plant(self, name: str) -> None:
+        self.planted.add(name)
 
 
 class _VirtualClock:
@@ -662,6 +629,10 @@ def _install_capture(sink: list[Any], ids_rng: random.Random, settings: AgentSet
     provider.set(tracer_provider)
     return export
 
+
+# MLflow's OTLP ingest makes a root span attribute `mlflow.traceTag.<key>` the trace tag <key>
+# (`mlflow.tracing.constant.SpanAttributeKey.TRACE_TAG_PREFIX`).
+TRACE_TAG_ATTRIBUTE_PREFIX = "mlflow.traceTag."
 
 # The export to MLflow must not hold the demo up: a short timeout per batch.
 OTLP_EXPORT_TIMEOUT_SECONDS = 5.0

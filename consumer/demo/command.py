@@ -24,6 +24,12 @@ sessions to close.
 (`URI/v1/traces`, experiment `--mlflow-experiment-id`, default 0), so the traces exist in MLflow and a
 `tracejudge sink mlflow` can write the verdicts onto them.
 
+Healthy by default, a page on demand: the defaults (4% ungrounded, 2% failing, 4% frustrated) keep
+every alert of deploy/prometheus/rules quiet; `--plant stale-doc|failing-tool|ungrounded-release`
+(`@30s` or `@600` to start it later) plants one cause of a page in the agent (see
+`tracejudge.consumer.demo.agent`), and the summary says what was planted, when, and how many traces
+it changed.
+
 This module is the command itself: its arguments, the broker and topics, and the run from start to
 drain. Its parts: the agent's producer thread (`producer.py`), the stages it runs in-process
 (`embedded.py`), and the live and final summary read from their registries (`summary.py`).
@@ -40,9 +46,11 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any, TextIO
 
+from tracejudge.consumer.demo.agent import PLANTS
 from tracejudge.consumer.demo.embedded import DemoUnavailable, EmbeddedSessions, start_runner
 from tracejudge.consumer.demo.producer import TraceProducer, conversations_for
 from tracejudge.consumer.demo.summary import RECORDS, LiveView, Summary, pct
@@ -59,6 +67,11 @@ BOOTSTRAP_TIMEOUT_MS = 15_000
 DRAIN_TIMEOUT_SECONDS = 20.0
 # How long the agent waits for the consumers' first partition assignment before producing anyway.
 JOIN_TIMEOUT_SECONDS = 30.0
+# The healthy baseline: with these every alert of deploy/prometheus/rules stays quiet (groundedness
+# ~96% against an 80% floor, ~6% of sessions unresolved against 20%; tests/test_demo_planted.py).
+DEFAULT_UNGROUNDED_SHARE = 0.04
+DEFAULT_FAILURE_SHARE = 0.02
+DEFAULT_FRUSTRATED_SHARE = 0.04
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,11 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop after this many seconds (default: 60; Ctrl-C stops earlier)")
     parser.add_argument("--rate", type=_positive(float), default=20.0, metavar="TRACES_PER_SECOND",
                         help="traces the agent produces per second (default: 20)")
-    parser.add_argument("--ungrounded-share", type=_share, default=0.3, metavar="SHARE",
+    parser.add_argument("--ungrounded-share", type=_share, default=DEFAULT_UNGROUNDED_SHARE, metavar="SHARE",
                         help="share of answers the agent makes up instead of taking from its documents "
-                             "(default: 0.3)")
-    parser.add_argument("--failure-share", type=_share, default=0.05, metavar="SHARE",
-                        help="share of requests that fail with an exception (default: 0.05)")
+                             f"(default: {DEFAULT_UNGROUNDED_SHARE:g}, a healthy baseline)")
+    parser.add_argument("--failure-share", type=_share, default=DEFAULT_FAILURE_SHARE, metavar="SHARE",
+                        help="share of requests that fail with an exception "
+                             f"(default: {DEFAULT_FAILURE_SHARE:g})")
     parser.add_argument("--metrics-port", type=_port, default=9464, metavar="PORT",
                         help="port of the Prometheus /metrics endpoint on 127.0.0.1 (default: 9464; "
                              "0 picks a free port)")
@@ -80,9 +94,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"the topic the agent's traces go to (default: {DEFAULT_TOPIC})")
     parser.add_argument("--seed", type=int, default=None,
                         help="make the agent's traces reproducible (default: different every run)")
-    parser.add_argument("--frustrated-share", type=_share, default=0.2, metavar="SHARE",
+    parser.add_argument("--frustrated-share", type=_share, default=DEFAULT_FRUSTRATED_SHARE, metavar="SHARE",
                         help="share of conversations whose user repeats the question and gives up "
-                             "(default: 0.2)")
+                             f"(default: {DEFAULT_FRUSTRATED_SHARE:g})")
+    parser.add_argument("--plant", type=_plant, action="append", default=[], metavar="CAUSE[@AFTER]",
+                        help="plant a cause of a page: stale-doc (one document goes stale), failing-tool "
+                             "(one tool starts failing), ungrounded-release (a new version answers "
+                             "ungrounded more often); @AFTER starts it after that many seconds (30s) or "
+                             "traces (600); repeatable. Without it every alert stays quiet")
     parser.add_argument("--session-inactivity", type=_positive(float), default=DEFAULT_SESSION_INACTIVITY,
                         metavar="SECONDS",
                         help="the session stage closes a conversation this long after its last turn "
@@ -92,6 +111,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(OTLP/HTTP to URI/v1/traces), so verdicts can be written onto them")
     parser.add_argument("--mlflow-experiment-id", default="0", metavar="ID",
                         help="the MLflow experiment the exported traces go to (default: 0)")
+
+
+@dataclass(frozen=True, slots=True)
+class PlantOption:
+    """One `--plant CAUSE[@AFTER]`: AFTER in traces, or in seconds (`30s`, at `--rate`)."""
+
+    cause: str
+    traces: int = 0
+    seconds: float | None = None
+
+    def after(self, rate: float) -> int:
+        """The traces the agent serves before the cause takes effect."""
+        return self.traces if self.seconds is None else round(self.seconds * rate)
+
+
+def _plant(text: str) -> PlantOption:
+    cause, _, after = text.partition("@")
+    if cause not in PLANTS:
+        raise argparse.ArgumentTypeError(f"unknown cause {cause!r}: one of {', '.join(PLANTS)}")
+    if not after:
+        return PlantOption(cause)
+    try:
+        if after.endswith("s"):
+            seconds = float(after[:-1])
+            if seconds >= 0 and math.isfinite(seconds):
+                return PlantOption(cause, seconds=seconds)
+        elif int(after) >= 0:
+            return PlantOption(cause, traces=int(after))
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r}: AFTER must be seconds (30s) or a number of traces (600), "
+                                     "not negative")
+
+
+def plant_settings(plants: list[PlantOption], rate: float) -> dict[str, int]:
+    """`--plant` options as `AgentSettings` fields (`stale_doc_after`, ...); ValueError on a cause
+    given twice."""
+    fields: dict[str, int] = {}
+    for plant in plants:
+        key = plant.cause.replace("-", "_") + "_after"
+        if key in fields:
+            raise ValueError(f"--plant {plant.cause} is given twice")
+        fields[key] = plant.after(rate)
+    return fields
+
+
+def _print_plants(out: TextIO, plants: list[PlantOption], settings: Any) -> None:
+    for option in plants:
+        when = "from the start"
+        if option.seconds is not None:
+            when = f"after {option.seconds:g}s"
+        elif option.traces:
+            when = f"after {option.traces} traces"
+        print(f"Planting {option.cause} {when} (from trace {settings.planted_after()[option.cause] + 1}): "
+              f"{settings.describe(option.cause)}", file=out, flush=True)
+    if not plants:
+        print("Nothing planted: a healthy baseline, every alert should stay quiet (--plant stale-doc, "
+              "failing-tool or ungrounded-release causes a page)", file=out, flush=True)
 
 
 def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
@@ -190,11 +267,16 @@ def main(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from tracejudge.consumer.demo.broker import BrokerUnavailable, LocalBroker
 
     _quiet_client_logs()
+    try:
+        plants = plant_settings(args.plant, args.rate)
+    except ValueError as exc:
+        print(f"tracejudge demo: {exc}", file=sys.stderr)
+        return 2
     settings = AgentSettings(ungrounded_share=args.ungrounded_share, failure_share=args.failure_share,
                              seed=args.seed, frustrated_share=args.frustrated_share,
                              concurrent_conversations=conversations_for(args.rate, args.session_inactivity),
                              mlflow_tracking_uri=args.mlflow_tracking_uri,
-                             mlflow_experiment_id=args.mlflow_experiment_id)
+                             mlflow_experiment_id=args.mlflow_experiment_id, **plants)
     stop = _Stop()
     stop.install()
     try:
@@ -229,6 +311,7 @@ def main(args: argparse.Namespace, out: TextIO | None = None) -> int:
                   f"ungrounded, {pct(args.failure_share)} failing, {pct(args.frustrated_share)} of "
                   f"conversations frustrated; running for {args.duration:g}s (Ctrl-C to stop)",
                   file=out, flush=True)
+            _print_plants(out, args.plant, settings)
             # Start producing once the consumers have joined their groups: a backlog read partition by
             # partition would hand the session stage a conversation's turns seconds out of order.
             for embedded in (runner, sessions):

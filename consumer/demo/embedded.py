@@ -10,11 +10,26 @@ import threading
 import time
 from typing import Any
 
-from tracejudge.consumer.demo.agent import APP_TAG
+from tracejudge.consumer.demo.agent import APP_TAG, VERSION_TAG
 from tracejudge.consumer.demo.summary import REOPENED, SESSIONS, Samples
 
 DEFAULT_GROUP = "tracejudge-demo"
 SESSIONS_GROUP = "tracejudge-demo-sessions"
+
+
+def evaluation_overrides() -> dict[str, Any]:
+    """How the demo's runner reads and judges the agent's traces, as `load_settings` overrides: the
+    app from the agent's tag, the version from its version tag (where this tracejudge has
+    `stream.version_tag`), and an empty judges section: with no model endpoint, the model-free
+    heuristic groundedness and relevance_to_query judges run on every answered trace. The tests
+    evaluate the agent's traces offline with the same (`Evaluator(load_settings(...,
+    overrides=evaluation_overrides(), offline=True))`)."""
+    from tracejudge.consumer.config.stream import StreamSettings
+
+    overrides: dict[str, Any] = {"stream.app_tag": APP_TAG, "judges": {}}
+    if "version_tag" in StreamSettings.model_fields:
+        overrides["stream.version_tag"] = VERSION_TAG
+    return overrides
 
 
 class DemoUnavailable(RuntimeError):
@@ -89,13 +104,11 @@ class EmbeddedRunner(EmbeddedStage):
             "kafka.session_timeout_ms": 6000,
             "kafka.heartbeat_interval_ms": 1000,
             "stream.topics": [f"{topic}:mlflow"],
-            # The agent names its app in a trace tag; without it the app would be "experiment:1".
-            "stream.app_tag": APP_TAG,
             "http.bind_address": "127.0.0.1",
             "http.port": metrics_port,
-            # An empty judges section: with no model endpoint, the model-free heuristic groundedness
-            # and relevance_to_query judges run on every answered trace.
-            "judges": {},
+            # The agent names its app in a trace tag (without it the app would be "experiment:1"),
+            # its version in another; the heuristic judges.
+            **evaluation_overrides(),
         })
         self._embed(StreamRunner(self.settings), "tracejudge-demo-runner")
 

@@ -51,10 +51,24 @@ def conversations_for(rate: float, inactivity: float) -> int:
 
 
 @dataclass
+class Planted:
+    """A cause planted in the agent (`AgentSettings.describe`), from the trace after `after`: when
+    the first such trace was sent (seconds after the agent started; None: not yet) and how many
+    traces it changed (for a stale document: those that retrieved it)."""
+
+    description: str
+    after: int
+    started_seconds: float | None = None
+    changed: int = 0
+
+
+@dataclass
 class ProducerStats:
     by_app: dict[str, AppCounts] = field(default_factory=dict)
     send_errors: int = 0
     last_send_error: str | None = None
+    # By plant name (`tracejudge.consumer.demo.agent.PLANTS`), in the order planted.
+    planted: dict[str, Planted] = field(default_factory=dict)
 
     @property
     def produced(self) -> int:
@@ -70,7 +84,10 @@ class TraceProducer(threading.Thread):
         self.topic = topic
         self.rate = rate
         self.settings = settings
-        self.stats = ProducerStats()
+        self.stats = ProducerStats(planted={plant: Planted(settings.describe(plant), after)
+                                            for plant, after in settings.planted_after().items()})
+        self._sent = 0
+        self._began = time.monotonic()
         self.error: BaseException | None = None
         self._stop_event = threading.Event()
         self._lock = threading.Lock()
@@ -81,7 +98,8 @@ class TraceProducer(threading.Thread):
     def snapshot(self) -> ProducerStats:
         with self._lock:
             return ProducerStats({app: AppCounts(**vars(c)) for app, c in self.stats.by_app.items()},
-                                 self.stats.send_errors, self.stats.last_send_error)
+                                 self.stats.send_errors, self.stats.last_send_error,
+                                 {name: Planted(**vars(p)) for name, p in self.stats.planted.items()})
 
     def run(self) -> None:
         from kafka import KafkaProducer
@@ -96,6 +114,7 @@ class TraceProducer(threading.Thread):
             return
         try:
             with SyntheticRagAgent(self.settings) as agent:
+                self._began = time.monotonic()
                 self._loop(agent, producer)
         except Exception as exc:  # reported by `command.main`, which stops the demo
             self.error = exc
@@ -124,6 +143,11 @@ class TraceProducer(threading.Thread):
         future.add_errback(self._send_failed)
         with self._lock:
             self.stats.by_app.setdefault(item.app, AppCounts()).count(item)
+            self._sent += 1
+            for name, planted in self.stats.planted.items():
+                if self._sent == planted.after + 1:
+                    planted.started_seconds = time.monotonic() - self._began
+                planted.changed += name in item.planted
 
     def _send_failed(self, exc: BaseException) -> None:
         with self._lock:

@@ -135,6 +135,17 @@ class Summary:
         n = int(sum(verdicts.values()))
         return (verdicts.get("pass", 0.0) / n if n else None), n
 
+    def planted_lines(self) -> list[str]:
+        """One line per planted cause: what it is, from which trace and when, and what it changed."""
+        lines = []
+        for name, planted in self.producer.planted.items():
+            when = (f"from trace {planted.after + 1}, at {planted.started_seconds:.1f}s"
+                    if planted.started_seconds is not None else
+                    f"from trace {planted.after + 1}, not reached")
+            lines.append(f"  planted {name} ({when}): {planted.description}; "
+                         f"{planted.changed} traces changed")
+        return lines or ["  planted: nothing (healthy defaults: every alert should stay quiet)"]
+
     def live_line(self) -> str:
         s, p = self.samples, self.producer
         rate = p.produced / self.elapsed if self.elapsed > 0 else 0.0
@@ -154,6 +165,9 @@ class Summary:
         if dead:
             parts.append(f"dead letters {dead}")
         parts.append(f"lag {int(s.total(LAG))}")
+        started = [name for name, p in self.producer.planted.items() if p.started_seconds is not None]
+        if started:
+            parts.append(f"planted {', '.join(started)}")
         return " | ".join(parts)
 
     def table(self, title: str) -> str:
@@ -246,6 +260,7 @@ class Summary:
         lines.append(f"  dead letters: {_counts(dead)}")
         if p.send_errors:
             lines.append(f"  produce errors: {p.send_errors} (last: {p.last_send_error})")
+        lines += self.planted_lines()
         if self.sessions is None:
             lines.append("  sessions: not evaluated (the session stage runs with the demo's own broker)")
         elif reopened := int(self.sessions.total(REOPENED)):
