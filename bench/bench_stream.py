@@ -27,6 +27,7 @@ as `tracejudge run` applies them), and the comparison stays like with like.
 
     python bench/bench_stream.py                       # 6,000 records x 5 rounds
     python bench/bench_stream.py --records 3000 --rounds 2
+    python bench/bench_stream.py --signals-off          # also "run nosig": metrics.signals off
 """
 
 from __future__ import annotations
@@ -138,10 +139,11 @@ class _TimedExporter(PrometheusExporter):
 
 
 def run(bootstrap: str, group: str, records: int, results: str | None = None,
-        workers: int | str = "auto") -> tuple[float, float]:
+        workers: int | str = "auto", signals: bool = True) -> tuple[float, float]:
     overrides = {"stream.decode_workers": workers, "kafka.bootstrap_servers": bootstrap,
                  "kafka.group_id": group, "stream.topics": [TOPIC],
                  "http.port": 0, "http.bind_address": "127.0.0.1", "stream.results_topic": results,
+                 "metrics.signals.enabled": signals,
                  **{f"kafka.{k}": v for k, v in GROUP_TIMINGS.items()}}
     settings = load_settings(environ={}, overrides=overrides)
     span = Span()
@@ -166,6 +168,8 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=6000)
     parser.add_argument("--distinct", type=int, default=150, help="distinct traces, repeated to --records")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--signals-off", action="store_true",
+                        help="also run as by default with metrics.signals.enabled: false (what they cost)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     for name in ("kafka", "tracejudge"):
@@ -186,6 +190,8 @@ def main() -> None:
             "1 process": lambda r: run(bs, f"one-{r}", args.records, workers=0),
             "+results": lambda r: run(bs, f"results-{r}", args.records, results=f"bench-results-{r}"),
         }
+        if args.signals_off:
+            modes["run nosig"] = lambda r: run(bs, f"nosig-{r}", args.records, signals=False)
         measured: dict[str, list[tuple[float, float]]] = {mode: [] for mode in modes}
         for r in range(args.rounds):
             # Forward, then backward: a slow drift of the machine's speed favours no mode.

@@ -14,11 +14,19 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from pydantic import Field, field_validator
 
 from tracejudge.metrics.plugins import load_plugin
+from tracejudge.metrics.retrieval import RETRIEVAL_RANK_METRICS, retrieval_ranks
 from tracejudge.metrics.sections import Section
+from tracejudge.metrics.signals import (
+    CACHE_HIT_RATIO,
+    SIGNALS,
+    AppNorms,
+    SignalsConfig,
+    call_key,
+    record_signals,
+)
 from tracejudge.schemas.errors import ConfigError, MetricLoadError
 from tracejudge.schemas.record import EvalRecord, ToolCall
 
@@ -31,7 +39,8 @@ RATIO_METRICS = frozenset({
     "trajectory_precision",
     "trajectory_recall",
     "trajectory_single_tool_use",
-})
+    CACHE_HIT_RATIO,
+}) | RETRIEVAL_RANK_METRICS
 
 
 class CustomMetricConfig(Section):
@@ -65,6 +74,8 @@ class MetricsConfig(Section):
 
     custom: list[CustomMetricConfig] = Field(default_factory=list)
     trajectory: TrajectoryConfig = Field(default_factory=TrajectoryConfig)
+    # Cheap signals without a judge (`tracejudge.metrics.signals`).
+    signals: SignalsConfig = Field(default_factory=SignalsConfig)
 
     @field_validator("custom")
     @classmethod
@@ -79,7 +90,7 @@ class MetricsConfig(Section):
 
 BUILTIN_METRICS = frozenset({
     "latency_seconds", "failed", "input_tokens", "output_tokens", "total_tokens", "retrieved_documents",
-}) | RATIO_METRICS
+}) | RATIO_METRICS | frozenset(SIGNALS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,10 +114,19 @@ class CustomMetric:
 
 
 class ComputedMetrics:
-    """Computes every applicable metric for a record; never raises for a metric's own failure."""
+    """Computes every applicable metric for a record; never raises for a metric's own failure.
+
+    `signals` configures the cheap signals: the per-record ones are computed here, the ones relative to
+    an app's norm by `norms` (an `AppNorms`, None when they are off), which the pipeline applies in
+    record order."""
 
     def __init__(self, *, custom: Sequence[CustomMetric] = (), single_tool: Sequence[str] | str = (),
-                 reference_trajectory: Sequence[ToolCall] | None = None) -> None:
+                 reference_trajectory: Sequence[ToolCall] | None = None,
+                 signals: SignalsConfig | None = None) -> None:
+        self.signals = signals if signals is not None else SignalsConfig()
+        s = self.signals
+        self.norms = (AppNorms(s) if s.enabled and (s.answer_overlong or s.tool_result_oversized
+                                                    or s.repeated_answer) else None)
         self.custom = list(custom)
         self.single_tool = [single_tool] if isinstance(single_tool, str) else list(single_tool)
         self.reference_trajectory = list(reference_trajectory) if reference_trajectory is not None else None
@@ -120,6 +140,7 @@ class ComputedMetrics:
             custom=[CustomMetric.load(c) for c in config.custom],
             single_tool=config.trajectory.single_tool_use or (),
             reference_trajectory=reference,
+            signals=config.signals,
         )
 
     def compute(self, record: EvalRecord) -> tuple[dict[str, float | None], dict[str, str]]:
@@ -148,6 +169,7 @@ class ComputedMetrics:
             recall = document_recall(record)
             if recall is not None:
                 values["document_recall"] = recall
+                values.update(retrieval_ranks(record))
         reference = record.reference_trajectory
         if reference is None:
             reference = self.reference_trajectory
@@ -156,6 +178,8 @@ class ComputedMetrics:
                 values.update(trajectory_metrics(record.trajectory, reference))
             for tool in self.single_tool:
                 values["trajectory_single_tool_use"] = trajectory_single_tool_use(record.trajectory, tool)
+        if self.signals.enabled:
+            record_signals(record, self.signals, values)
         for metric in self.custom:
             _run_custom(metric, record, values, errors)
         return values, errors
@@ -198,13 +222,7 @@ def document_recall(record: EvalRecord) -> float | None:
     return len(expected & retrieved) / len(expected)
 
 
-def _call_key(call: ToolCall) -> tuple[str, bytes]:
-    # Inputs are compared as canonical JSON so {"a":1,"b":2} equals {"b":2,"a":1}.
-    try:
-        canon = orjson.dumps(call.tool_input, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
-    except TypeError:
-        canon = repr(call.tool_input).encode()
-    return call.tool_name, canon
+_call_key = call_key  # inputs compared as canonical JSON: {"a":1,"b":2} equals {"b":2,"a":1}
 
 
 def trajectory_metrics(predicted: Sequence[ToolCall], reference: Sequence[ToolCall]) -> dict[str, float]:

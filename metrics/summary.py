@@ -9,6 +9,8 @@ import math
 from array import array
 from dataclasses import dataclass, field
 
+from tracejudge.metrics.findings import FindingsWindow
+from tracejudge.metrics.findings.report import summary_lines
 from tracejudge.schemas.result import INAPPLICABLE_SKIPS, Assessment, EvaluationResult
 from tracejudge.schemas.session import SessionResult
 
@@ -34,10 +36,14 @@ class Summary:
     anomalies: dict[str, int] = field(default_factory=dict)
     judges: dict[str, JudgeTally] = field(default_factory=dict)
     sessions: SessionTally = field(default_factory=lambda: SessionTally())
+    # What the failing verdicts have in common (`tracejudge.metrics.findings`); None: not analysed.
+    findings: FindingsWindow | None = None
 
     def add(self, result: EvaluationResult) -> None:
         rec = result.record
         self.records += 1
+        if self.findings is not None:
+            self.findings.add(result)
         if rec.failed:
             self.failed += 1
         if rec.latency_seconds is not None and 0 <= rec.latency_seconds < math.inf:  # never a negative p50
@@ -98,6 +104,11 @@ class Summary:
         for name, t in self.judges.items():
             rows.append((f"judge {name}", t.describe()))
         rows += self.sessions.rows()
+        common = summary_lines(self.findings.analyse()) if self.findings is not None else []
+        if common:
+            rows.append(("failures have in common", "(lift: failure rate with / without the value; "
+                         "simultaneous interval)"))
+            rows += common
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 

@@ -200,7 +200,7 @@ def test_a_shadow_judge_sees_exactly_its_judges_sample_and_is_not_quality(stub: 
                      outcome="agree") == len(shadow) - disagree
         # Quality series: the live judge's only.
         assert value(r, "tracejudge_judge_verdicts_total", app="shop", judge="relevance_to_query",
-                     verdict="pass") == len(live)
+                     verdict="pass", version="") == len(live)
         for family in ("tracejudge_judge_verdicts_total", "tracejudge_judge_eligible_total",
                        "tracejudge_judge_sampled_total"):
             assert not [s for m in r.metrics.registry.collect() for s in m.samples

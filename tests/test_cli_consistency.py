@@ -32,7 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "tracejudge.consumer.commands.cli"]
 # What each command's --help must say it is for (beyond the one-line summary the top level lists).
 PURPOSE = {"eval": "JSON Lines", "calibrate": "human labels", "run": "Kafka", "sessions": "conversations",
-           "sink": "MLflow", "agreement": "labels", "backfill": "time range", "demo": "broker"}
+           "sink": "MLflow", "agreement": "labels", "backfill": "time range", "demo": "broker",
+           "findings": "over-represented", "dataset": "regression set", "slo": "error budget",
+           "alerts": "Prometheus rules"}
 # The one spelling of each shared flag's value; every command that has the flag uses it.
 METAVARS = {"--config": "FILE", "--bootstrap-servers": "HOST:PORT[,...]", "--metrics-port": "PORT",
             "--metrics-bind-address": "ADDR", "--group-id": "GROUP", "--results-topic": "TOPIC",

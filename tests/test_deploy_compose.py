@@ -142,6 +142,26 @@ def test_alert_relay_prints_each_posted_alert() -> None:
                            " - Groundedness pass rate 61% for app shop")
 
 
+def test_alert_relay_prints_the_alert_links() -> None:
+    port = free_port()
+    env = {**os.environ, "RELAY_ADDRESS": f"127.0.0.1:{port}"}
+    relay = subprocess.Popen([sys.executable, str(COMPOSE / "alert-relay.py")], env=env,
+                             stdout=subprocess.PIPE, text=True)
+    links = {"runbook_url": "https://wiki.example.com/r#groundednessdropped",
+             "traces_url": "http://localhost:5000/#/experiments/0/traces?startTimeLabel=CUSTOM"}
+    try:
+        payload = {"version": "4", "status": "firing", "alerts": [{
+            "status": "firing", "labels": {"alertname": "GroundednessDropped"},
+            "annotations": {"summary": "s", **links}}]}
+        response = wait_until(lambda: httpx.post(f"http://127.0.0.1:{port}/alertmanager", json=payload),
+                              60, "the relay to listen")
+        assert response.status_code == 200
+    finally:
+        relay.terminate()
+        out, _ = relay.communicate(timeout=10)
+    assert out.splitlines()[1:] == [f"    {k}: {v}" for k, v in links.items()]
+
+
 def test_tracejudge_config_is_valid_and_drains_within_the_stop_grace_period() -> None:
     from tracejudge.consumer.config import load_settings
 

@@ -139,7 +139,7 @@ def test_otlp_json_lines_are_assembled_across_lines_and_interleaved_with_other_f
         assert got["request"] == rec.question and got["response"] == rec.answer
         assert got["complete"] is True
         assert got["tokens"] == {"input": rec.input_tokens, "output": rec.output_tokens,
-                                 "total": rec.input_tokens + rec.output_tokens}
+                                 "total": rec.input_tokens + rec.output_tokens, "cached_input": None}
         assert [d["doc_uri"] for d in got["retrieved_context"]] == [uri for _, uri in rec.documents]
         assert got["source"]["line"] == 1  # the first line holding one of its spans
     [mlflow_result] = [r for r in results.values() if r["source_format"] == "mlflow_v3"]

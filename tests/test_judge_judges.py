@@ -97,13 +97,15 @@ def test_a_no_that_mentions_yes_fails(stub: OpenAIStub) -> None:
     assert a.source == "llm:judge-model"
     assert (
         metric(
-            runner, "tracejudge_judge_verdicts_total", app="shop", judge="relevance_to_query", verdict="fail"
+            runner, "tracejudge_judge_verdicts_total", app="shop", judge="relevance_to_query", verdict="fail",
+            version="",
         )
         == 1
     )
     assert (
         metric(
-            runner, "tracejudge_judge_verdicts_total", app="shop", judge="relevance_to_query", verdict="pass"
+            runner, "tracejudge_judge_verdicts_total", app="shop", judge="relevance_to_query", verdict="pass",
+            version="",
         )
         == 0
     )
@@ -120,13 +122,15 @@ def test_free_text_is_a_judge_error_never_a_verdict(stub: OpenAIStub) -> None:
     )
     assert (
         metric(
-            runner, "tracejudge_judge_verdicts_total", app="shop", judge="relevance_to_query", verdict="pass"
+            runner, "tracejudge_judge_verdicts_total", app="shop", judge="relevance_to_query", verdict="pass",
+            version="",
         )
         == 0
     )
     assert (
         metric(
-            runner, "tracejudge_judge_verdicts_total", app="shop", judge="relevance_to_query", verdict="fail"
+            runner, "tracejudge_judge_verdicts_total", app="shop", judge="relevance_to_query", verdict="fail",
+            version="",
         )
         == 0
     )

@@ -336,7 +336,8 @@ def test_prometheus_output_lints_and_carries_trace_id_exemplars(stub: OpenAIStub
     om = generate_openmetrics(r.metrics.registry).decode()
     exemplar = ' # {trace_id="4bf92f3577b34da6a3ce929d0e0e4736"} 1.0 '
     assert (
-        'tracejudge_judge_verdicts_total{app="shop",judge="groundedness",verdict="pass"} 1.0' + exemplar in om
+        'tracejudge_judge_verdicts_total{app="shop",judge="groundedness",verdict="pass",version=""} 1.0'
+        + exemplar in om
     )
     assert 'tracejudge_judge_score_bucket{app="shop",judge="groundedness",le="1.0"} 1.0' + exemplar in om
     text = generate_latest(r.metrics.registry).decode()
@@ -389,7 +390,8 @@ def test_heuristic_default_shows_groundedness_dropping_for_ungrounded_answers() 
     assert "[1] Our premium plan costs 49 dollars" in ungrounded["groundedness"].rationale
     assert all(a.source == "heuristic" for a in [*grounded.values(), *ungrounded.values()])
     assert (
-        value(r, "tracejudge_judge_verdicts_total", app=rag.app or "", judge="groundedness", verdict="fail")
+        value(r, "tracejudge_judge_verdicts_total", app=rag.app or "", judge="groundedness", verdict="fail",
+              version=rag.version or "")  # MLflow records the checkout's commit, where there is one
         == 1
     )
 

@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # The stages proper: each is a consumer group of its own and never imports another. The other modules of
 # `consumer/stages/` are parts the stages share (decoding, assembly).
 STAGES = {f"tracejudge.consumer.stages.{name}" for name in ("run", "sessions", "sink", "agreement",
-                                                            "backfill")}
+                                                            "backfill", "findings")}
 
 
 @dataclass(frozen=True)

@@ -169,7 +169,7 @@ def test_real_traces_read_alike(name: str) -> None:
     assert normalise(payload) == record == normalise(doc)
     # With the trace's usage stated, the one-pass walk reads the spans MLflow lists parents first.
     if general.token_usage is not None:
-        root, retrieved, trajectory, _ = _lean_parts(payload)
+        root, retrieved, trajectory, *_ = _lean_parts(payload)
         assert root is not None and root.span_id == root_span(general.spans).span_id
         assert (retrieved, trajectory) == (record.retrieved_context, record.trajectory)
     # Decoding only what derivation reads leaves the record as decoding everything does.
@@ -227,7 +227,7 @@ def test_odd_span_lists_are_read_in_one_pass_as_derive_reads_them(
     assert general.token_usage is not None  # so the one-pass walk reads it
     payload = orjson.dumps(doc)
     record = derive(general)
-    root, retrieved, trajectory, _ = _lean_parts(payload)
+    root, retrieved, trajectory, *_ = _lean_parts(payload)
     assert (root, retrieved, trajectory) == (root_span(general.spans), record.retrieved_context,
                                              record.trajectory)
     assert wire.derive_canonical_json(payload) == record == normalise(payload)
@@ -292,7 +292,7 @@ def test_only_a_trace_that_states_its_usage_is_read_in_one_pass() -> None:
     payload = orjson.dumps(doc)
     general = parser.parse_trace(doc, everything=False)
     record = derive(general)
-    _, retrieved, trajectory, _ = _lean_parts(payload)
+    _, retrieved, trajectory, *_ = _lean_parts(payload)
     assert len(retrieved) < len([d for s in general.spans if s.kind == SpanKind.RETRIEVER
                                  for d in documents_from_output(s.outputs)])  # the nested one is left out
     assert (retrieved, trajectory) == (record.retrieved_context, record.trajectory)

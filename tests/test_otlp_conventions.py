@@ -50,7 +50,8 @@ def check(record: EvalRecord, rec: Recorded, app: str) -> None:
     assert record.app == app
     assert record.request == rec.question
     assert record.response == rec.answer
-    assert record.trajectory == [ToolCall(rec.tool, rec.tool_args)]
+    assert [ToolCall(c.tool_name, c.tool_input) for c in record.trajectory or []] == [
+        ToolCall(rec.tool, rec.tool_args)]
     assert record.tokens is not None
     assert (record.tokens.input, record.tokens.output) == (rec.input_tokens, rec.output_tokens)
     assert record.tokens.total == rec.input_tokens + rec.output_tokens
@@ -72,6 +73,9 @@ def test_genai_convention(fmt, structured):
     check(got[ok.trace_id], ok, "geo-agent")
     check(got[bad.trace_id], bad, "geo-agent")
     assert got[bad.trace_id].error == "upstream rate limit"
+    # The failed tool call carries its span's error status (schema 6); the good one none.
+    assert [c.error for c in got[bad.trace_id].trajectory or []] == ["population service timed out"]
+    assert [c.error for c in got[ok.trace_id].trajectory or []] == [None]
     assert got[ok.trace_id].source_format == fmt
 
 

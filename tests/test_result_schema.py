@@ -50,7 +50,8 @@ def test_to_json_is_the_documented_flat_shape():
     assert out["schema_version"] == SCHEMA_VERSION == 6
     assert out["session_id"] is None and out["user_id"] is None
     assert out["mlflow_trace_id"] is None  # "t" came from no trace format
-    assert out["source"]["offset"] == 41 and out["tokens"] == {"input": 1, "output": 2, "total": 3}
+    assert out["source"]["offset"] == 41 and out["tokens"] == {"input": 1, "output": 2, "total": 3,
+                                                                    "cached_input": None}
     assert list(out["assessments"][0]) == ASSESSMENT_FIELDS
     assert out["assessments"][0]["skipped"] is None
     assert out["assessments"][0]["judge"] is None and out["assessments"][0]["input_tokens"] is None
@@ -68,7 +69,8 @@ def test_to_json_writes_what_a_payload_or_custom_metric_can_hold():
     record = EvalRecord(request_id="r", trajectory=[ToolCall("s", {"n": 2**70, "ref": Ticket()})])
     result = EvaluationResult(record=record, source=SourceRef(format="agent_eval"))
     out = json.loads(result.to_json())
-    assert out["trajectory"] == [{"tool_name": "s", "tool_input": {"n": 2**70, "ref": "ticket-7"}}]
+    assert out["trajectory"] == [{"tool_name": "s", "tool_input": {"n": 2**70, "ref": "ticket-7"},
+                                  "error": None}]
 
 
 def full_result() -> EvaluationResult:

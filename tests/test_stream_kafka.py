@@ -33,6 +33,7 @@ from support.otel_producers import Producer, genai_trace, interleave, kafka_mess
 from tracejudge.consumer.pipeline import Pipeline
 from tracejudge.consumer.runtime import producing as sinks
 from tracejudge.consumer.stages.run import StreamRunner
+from tracejudge.metrics.signals import ANSWER_OVERLONG, REPEATED_ANSWER, TOOL_RESULT_OVERSIZED
 from tracejudge.schemas.result import Assessment, SourceRef, session_key
 
 
@@ -92,7 +93,10 @@ def test_every_trace_is_counted_published_and_committed(broker, workers):
         source = SourceRef("mlflow", topic=topic, partition=partition, offset=offset)
         offline = pipeline.evaluate(pipeline.normalise(trace.payload, "mlflow"), source)
         expected = orjson.loads(offline.to_json())
-        assert by_trace[trace.trace_id.removeprefix("tr-")] == expected
+        # Signals relative to the app's norm depend on the order records meet, which across
+        # partitions is the poll's (tests/test_signals.py compares them on one partition).
+        assert _without(by_trace[trace.trace_id.removeprefix("tr-")], NORM_SIGNALS) == \
+            _without(expected, NORM_SIGNALS)
     failed = sum(t.failed for t in traces)
     assert failed > 0
     assert sum(v for k, v in _series(text, "tracejudge_traces_total").items() if "error" in k) == failed
@@ -351,6 +355,13 @@ def test_otlp_spans_are_assembled_into_traces_and_committed_once_exported(broker
 
 
 # -- small readers of the exposition text -------------------------------------------------------------
+
+
+NORM_SIGNALS = (ANSWER_OVERLONG, TOOL_RESULT_OVERSIZED, REPEATED_ANSWER)
+
+
+def _without(line: dict, metrics: tuple[str, ...]) -> dict:
+    return {**line, "metrics": {k: v for k, v in line["metrics"].items() if k not in metrics}}
 
 
 def _series(text: str, name: str) -> dict[str, float]:

@@ -42,7 +42,7 @@ from support.otel_producers import Producer, genai_trace, kafka_messages
 from support.sinks import SinkProcess
 
 from tracejudge.consumer.config import ConfigError
-from tracejudge.consumer.sinks.base import RetryLater, SinkBatch, SinkRecord, WriteReport
+from tracejudge.consumer.sinks.base import Deferral, RetryLater, SinkBatch, SinkRecord, WriteReport
 from tracejudge.consumer.sinks.mlflow import (
     MlflowSink,
     MlflowSinkSettings,
@@ -81,7 +81,8 @@ def as_records(results: Iterable[dict[str, Any]], partition: int = 0) -> list[Si
 
 def deliver(sink: MlflowSink, records: Iterable[SinkRecord]) -> WriteReport:
     """What the sink runtime does at a checkpoint: one `write` per partition, records in offset order.
-    A `RetryLater` propagates (the tests that expect one catch it)."""
+    A `RetryLater` propagates (the tests that expect one catch it); deferred records are reported (the
+    runtime would park them and offer them again)."""
     by_partition: dict[tuple[str, int], list[SinkRecord]] = {}
     for r in sorted(records, key=lambda r: (r.topic, r.partition, r.offset)):
         by_partition.setdefault((r.topic, r.partition), []).append(r)
@@ -91,6 +92,8 @@ def deliver(sink: MlflowSink, records: Iterable[SinkRecord]) -> WriteReport:
         total.written += report.written
         total.already_written += report.already_written
         total.skipped.update(report.skipped)
+        total.deferred.update(report.deferred)
+        total.given_up.update(report.given_up)
     return total
 
 
@@ -339,19 +342,27 @@ def test_unknown_trace_is_retried_over_its_window_then_skipped(mlflow_server: Ml
                                          "unknown_trace_retry_s": 60}, env={})
     sink = MlflowSink(s, registry, env={}, clock=clock)
     try:
-        for attempt in range(3):
-            with pytest.raises(RetryLater) as retry:
-                deliver(sink, records)
-            assert retry.value.reason == "unknown_trace" and retry.value.after_s == 30
-            clock.now += 20 if attempt < 2 else 10  # three looks, but only 50 s of the 60 s window
+        first = deliver(sink, records)
+        # The known trace's verdicts are written at once; the unknown one's record is deferred, not
+        # the batch held: offered again after a back-off doubling from 0.5 s.
+        assert (first.written, dict(first.skipped)) == (3, {})
+        assert first.deferred == {1: Deferral("unknown_trace", 0.5)}
+        waits = []
+        for step in (20, 20, 10):  # four looks, but only 50 s of the 60 s window
+            clock.now += step
+            again = deliver(sink, records)
+            assert again.already_written == 3 and not again.skipped and list(again.deferred) == [1]
+            waits.append(again.deferred[1].after_s)
+        assert waits == [1.0, 2.0, 4.0]
         clock.now += 10
-        report = deliver(sink, records)  # fourth look, 60 s after the first: given up
+        report = deliver(sink, records)  # fifth look, 60 s after the first: given up
     finally:
         sink.close()
     # The known trace was written at the first attempt and found on every later one.
     assert (report.written, report.already_written, dict(report.skipped)) == (0, 3, {"unknown_trace": 3})
+    assert report.deferred == {} and report.given_up == {"unknown_trace": 1}
     assert len(ours(mlflow_server.assessments(known))) == 3
-    assert value_of(registry, "tracejudge_sink_retries_total", reason="unknown_trace") == 3
+    assert value_of(registry, "tracejudge_sink_retries_total", reason="unknown_trace") == 4
     assert value_of(registry, "tracejudge_sink_skipped_total", reason="unknown_trace") == 3
     assert value_of(registry, "tracejudge_sink_writes_total", outcome="written") == 3
 
@@ -365,9 +376,8 @@ def test_a_trace_that_reaches_mlflow_after_its_result_is_written(mlflow_server: 
     records = as_records([result_for(trace_id, verdicts("ab")[1:3])])
     sink = make_sink(mlflow_server.url, unknown_trace_attempts=5, unknown_trace_retry_s=300)
     try:
-        with pytest.raises(RetryLater, match="unknown_trace") as retry:
-            deliver(sink, records)
-        assert retry.value.after_s == 75  # five looks spread over the five minutes
+        waiting = deliver(sink, records)
+        assert (waiting.written, waiting.deferred) == (0, {0: Deferral("unknown_trace", 0.5)})
         send_otlp(mlflow_server.url, experiment, spans)  # the trace arrives
         assert deliver(sink, records).written == 2
     finally:

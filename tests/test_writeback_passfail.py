@@ -124,6 +124,7 @@ def test_heuristic_verdicts_are_pass_fail_and_mlflow_search_finds_the_failures(m
         assert meta["score"] == meta["tracejudge.score"] == str(score if score % 1 else int(score)), name
         assert meta["tracejudge.passed"] == ("true" if name in ("grounded", "half") else "false")
         assert "tracejudge.value" not in meta  # the heuristic's value is its score: not repeated
+        assert meta["threshold"] == "0.5"  # the threshold the real judge applied (Assessment.threshold)
     # A passing 0.5 and a failing 0.33 no longer look alike.
     assert shown == {"grounded": {"value": "yes"}, "half": {"value": "yes"},
                      "third": {"value": "no"}, "none": {"value": "no"}}

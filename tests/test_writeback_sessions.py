@@ -34,7 +34,7 @@ from support.otlp_receiver import OtlpReceiver
 from support.sinks import RecordingSink, SinkProcess
 
 from tracejudge.consumer.config import ConfigError, load_settings
-from tracejudge.consumer.sinks.base import RetryLater, SinkBatch, SinkRecord
+from tracejudge.consumer.sinks.base import SinkBatch, SinkRecord
 from tracejudge.consumer.sinks.mlflow import SESSION_ID_KEY, MlflowSink, MlflowSinkSettings
 from tracejudge.consumer.sinks.otlp import EVENT_NAME, OtlpSink, OtlpSinkSettings
 from tracejudge.consumer.stages.sink import SinkRunner, plan_sink
@@ -461,16 +461,101 @@ def test_first_turn_without_an_mlflow_trace_and_traces_mlflow_never_had(mlflow_s
         unknown = session_result(unique("conv-ghost"), [ghost], [frustration("none")])
         batch = SinkBatch(SESSIONS_TOPIC, 0, [as_record(mixed, 0), as_record(rows_only, 1),
                                               as_record(unknown, 2)])
-        with pytest.raises(RetryLater) as held:
-            sink.write(batch)
-        assert held.value.reason == "unknown_trace"
+        first = sink.write(batch)
+        assert first.written == 1 and list(first.deferred) == [2]  # the ghost's record waits, parked
+        assert first.deferred[2].reason == "unknown_trace"
         report = sink.write(batch)
+        assert report.given_up == Counter({"unknown_trace": 1}) and not report.deferred
         assert report.skipped == Counter({"no_trace_id": 1, "unknown_trace": 1})
-        assert report.already_written == 1  # the first offer wrote it before holding the batch
+        assert report.already_written == 1  # the first offer wrote it
         [fb] = session_feedback(server, c.shipping[0]["trace_id"], mixed_id)
         assert fb["metadata"]["tracejudge.turns"] == "3"
     finally:
         sink.close()
+
+
+# MLflow's own session-level scoring, run by MLflow itself (`mlflow.genai.evaluate` with a custom scorer
+# that takes the session): where it logs a session verdict is where the traces list shows one.
+_MLFLOW_SESSION_SCORER = r'''
+import json, os, sys
+import mlflow
+from mlflow.entities import Feedback
+from mlflow.genai.scorers import scorer
+
+mlflow.set_experiment(experiment_id=os.environ["MLFLOW_EXPERIMENT_ID"])
+
+
+@scorer(name="mlflow_session_check")
+def mlflow_session_check(session) -> Feedback:
+    return Feedback(value="no", rationale=f"{len(session)} turns")
+
+
+session = sys.stdin.read().strip()
+traces = mlflow.search_traces(locations=[os.environ["MLFLOW_EXPERIMENT_ID"]],
+                              filter_string=f"metadata.`mlflow.trace.session` = '{session}'")
+mlflow.genai.evaluate(data=traces, scorers=[mlflow_session_check])
+'''
+
+
+def test_the_traces_list_shows_a_session_verdict_where_mlflow_shows_its_own(
+        broker: Any, mlflow_server: MlflowServer) -> None:
+    server, c = mlflow_server, Conversations(mlflow_server)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "OTEL_"))}
+    env.update(QUIET_ENV)
+    env.update({"MLFLOW_TRACKING_URI": server.url, "MLFLOW_EXPERIMENT_ID": c.experiment})
+    proc = subprocess.run([sys.executable, "-c", _MLFLOW_SESSION_SCORER], input=c.refund_id, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    bs = broker.bootstrap_servers
+    sessions_topic, group = unique("session-results"), unique("sink-mlflow-view")
+    verdict = session_result(c.refund_id, turn_refs(c.refund),
+                             [frustration("unresolved"), completeness("no")])
+    placed = produce(bs, sessions_topic, [verdict.to_json(), verdict.to_json()],  # and a redelivery
+                     keys=[verdict.key.encode()] * 2)
+    config = {"sessions": {"results_topic": sessions_topic},
+              "sink": {"results_topic": unique("results"), "checkpoint_interval_ms": 100,
+                       "mlflow": {"tracking_uri": server.url, "experiment_id": c.experiment}}}
+    sink = SinkProcess(bs, "mlflow", config, "--group-id", group).wait_ready()
+    try:
+        wait_until(lambda: caught_up(bs, group, sessions_topic, placed), 90,
+                   message=lambda: f"committed; log:\n{sink.log[-3000:]}")
+        sink.signal(signal.SIGTERM)
+        assert sink.finish() == 0
+    finally:
+        sink.kill()
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=server.url)
+    # The traces list of the conversation, as the UI's session view searches it.
+    listed = client.search_traces(locations=[c.experiment],
+                                  filter_string=f"metadata.`mlflow.trace.session` = '{c.refund_id}'")
+    assert sorted(t.info.trace_id for t in listed) == sorted(t["trace_id"] for t in c.refund)
+
+    def session_verdicts(name: str) -> list[tuple[str, Any]]:
+        return [(t.info.trace_id, a) for t in listed for a in t.info.assessments if a.name == name]
+
+    [(mlflow_trace, mlflow_own)] = session_verdicts("mlflow_session_check")
+    for name, value in (("user_frustration", "unresolved"), ("conversation_completeness", "no")):
+        [(trace, ours_)] = session_verdicts(name)  # once, the redelivery added nothing
+        # On the trace, and the span, MLflow put its own session verdict on, with the same session mark.
+        assert trace == mlflow_trace == c.refund[0]["trace_id"]
+        assert ours_.span_id == mlflow_own.span_id == c.refund[0]["root_span_id"]
+        assert ours_.metadata["mlflow.trace.session"] == mlflow_own.metadata["mlflow.trace.session"] \
+            == c.refund_id
+        assert ours_.value == value
+    # Searching the traces list by a session verdict finds every turn of the conversation (MLflow scopes
+    # an assessment marked with `mlflow.trace.session` to its session), exactly as for MLflow's own.
+    def found(filter_string: str) -> list[str]:
+        return sorted(t.info.trace_id for t in client.search_traces(locations=[c.experiment],
+                                                                    filter_string=filter_string))
+
+    conversation = sorted(t["trace_id"] for t in c.refund)
+    assert found("feedback.mlflow_session_check = 'no'") == conversation
+    assert found("feedback.user_frustration = 'unresolved'") == conversation
+    assert found("feedback.conversation_completeness = 'no'") == conversation
+    assert found("feedback.user_frustration = 'none'") == []  # not the other conversation, not a value
 
 
 # --- OTLP: the real `tracejudge sink otlp` ---------------------------------------------------------------

@@ -36,6 +36,17 @@ SUBCOMMANDS = {
     "backfill": ("tracejudge.consumer.commands.backfill",
                  "re-judge a time range of the input topics and publish "
                                                  "the results marked as backfill (resumable)"),
+    "findings": ("tracejudge.consumer.commands.findings",
+                 "find what the failing verdicts have in common (documents, tools, versions, models, "
+                 "request clusters), from result files or the results topic"),
+    "dataset": ("tracejudge.consumer.commands.dataset",
+                "turn collected traces into a regression set (merge-labels: people's labels become the "
+                "rows' expectations; synthesize: question/answer rows from documents)"),
+    "alerts": ("tracejudge.consumer.commands.alerts",
+               "render the Prometheus rules with every alert's links (runbook, dashboard, trace search)"),
+    "slo": ("tracejudge.consumer.commands.slo",
+            "render the quality SLOs of the slos: section as Prometheus rules: error budget and burn-rate "
+            "alerts"),
     "demo": ("tracejudge.consumer.demo.command", "run a local broker, a synthetic agent and the evaluator"),
 }
 

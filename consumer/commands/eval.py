@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +31,11 @@ from typing import IO, Any, BinaryIO
 
 import orjson
 
+from tracejudge.consumer.commands.collect_files import CollectionFiles, collection_outputs, topic_only
+from tracejudge.consumer.commands.eval_app import AppEvaluation, build_app, count_argument
+from tracejudge.consumer.commands.eval_app import add_arguments as add_app_arguments
+from tracejudge.consumer.commands.eval_baseline import BaselineGate
+from tracejudge.consumer.commands.eval_baseline import add_arguments as add_baseline_arguments
 from tracejudge.consumer.commands.outputs import (
     AtomicOutput,
     OutputError,
@@ -42,6 +47,7 @@ from tracejudge.consumer.config import ConfigError, Settings, load_settings
 from tracejudge.consumer.pipeline import Pipeline, build_judges, build_pipeline, with_judgements
 from tracejudge.consumer.runtime import exit_status
 from tracejudge.consumer.stages.assembly import OtlpLineAssembler
+from tracejudge.metrics.findings import FindingsWindow, RequestClusterer
 from tracejudge.metrics.summary import PLANNED_SKIPS, JudgeTally, Summary, reasons
 from tracejudge.schemas import errors
 from tracejudge.schemas.errors import RecordError
@@ -85,9 +91,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-judge-skips", default="0", metavar="N|P%",
                         help="likewise for records a gated judge should have judged but skipped (budget, "
                              "circuit_open, overloaded, too_large, closed; default 0)")
-    parser.add_argument("--min-judged", default=1, type=_count, metavar="N",
+    parser.add_argument("--min-judged", default=1, type=count_argument, metavar="N",
                         help="a gated judge needs at least N verdicts (default 1)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress or summary on stderr")
+    add_app_arguments(parser)
+    add_baseline_arguments(parser)
 
 
 class FileEvaluation:
@@ -140,7 +148,8 @@ class FileEvaluation:
                         if assembler is None:
                             assembler = OtlpLineAssembler(self.settings.otlp.assembly.to_settings(),
                                                           app_tag=self.pipeline.app_tag,
-                                                          session_tag=self.pipeline.session_tag)
+                                                          session_tag=self.pipeline.session_tag,
+                                                          version_tag=self.pipeline.version_tag)
                         traces = assembler.feed(line, lineno)
                         read += 1
                         for t in traces:
@@ -227,16 +236,6 @@ class Gates:
     min_judged: int = 1
 
 
-def _count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a count (an integer >= 0), got {text!r}")
-    return n
-
-
 def parse_gates(args: argparse.Namespace, judge_names: list[str]) -> Gates:
     """The gates of `--fail-under` with the evidence they need; InputError naming the bad flag. The
     evidence flags without a `--fail-under` gate are an error (they would change nothing)."""
@@ -288,7 +287,8 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"tracejudge eval: invalid configuration\n{exc.report()}", file=sys.stderr)
         return exit_status.USAGE
-    summary = Summary()
+    summary = Summary(findings=FindingsWindow(settings.findings.options(),
+                                              RequestClusterer(settings.findings.clustering.options())))
     with ExitStack() as stack:
         if judges is not None:
             stack.callback(judges.close)
@@ -298,40 +298,65 @@ def main(args: argparse.Namespace) -> int:
             names = [*(judges.judge_names() if judges else []),
                      *(session_judges.judge_names() if session_judges else [])]
             gates = parse_gates(args, names)
+            app = build_app(args)
+            app_errors = Allowance.parse("--max-app-errors", str(getattr(args, "max_app_errors", "0")))
+            baseline = BaselineGate.from_args(args, settings.stream.max_record_bytes)
             # Before anything is opened: opening an input for writing would truncate it.
-            refuse_overwriting_inputs({"-o/--output": args.output, "--rejects": args.rejects},
-                                      [*args.inputs, *([str(args.config)] if args.config else [])])
+            refuse_overwriting_inputs({"-o/--output": args.output, "--rejects": args.rejects,
+                                       **collection_outputs(settings)},
+                                      [*args.inputs, *([str(args.config)] if args.config else []),
+                                       *([baseline.path] if baseline is not None else [])])
             inputs = open_inputs(stack, args.inputs)
             out = StdoutOutput() if args.output == "-" else stack.enter_context(AtomicOutput(args.output))
             rejects = stack.enter_context(AtomicOutput(args.rejects)) if args.rejects else None
+            collected = CollectionFiles.open(stack, settings)
         except InputError as exc:
             print(f"tracejudge eval: {exc}", file=sys.stderr)
             return exit_status.USAGE
         except OutputError as exc:
             print(f"tracejudge eval: {exc}", file=sys.stderr)
             return exit_status.OUTPUT_ERROR
-        evaluation = FileEvaluation(pipeline, settings, fmt, summary, rejects, err)
+        files = FileEvaluation(pipeline, settings, fmt, summary, rejects, err)
+        evaluation: FileEvaluation | AppEvaluation = files
+        if app is not None:  # the dataset's rows through the app, rejected lines as the files' are
+            evaluation = AppEvaluation.start(stack, app, args, pipeline, settings.stream.max_record_bytes,
+                                             files._reject, err)
         try:
-            _write_results(evaluation, inputs, judges, session_judges, out, summary, err)
+            _write_results(evaluation, inputs, judges, session_judges, out, summary, err, collected,
+                           observe=baseline.add if baseline is not None else None)
             if evaluation.unreadable is not None:
                 # Leaving the `with` discards the outputs: a previous output file is left as it was.
                 print(f"tracejudge eval: {evaluation.unreadable}", file=sys.stderr)
                 return exit_status.USAGE
             if rejects is not None:
                 rejects.commit()
+            if collected is not None:
+                collected.finish(summary.findings)  # the `finding:` rules, once the findings are known
+                collected.commit()
             out.commit()
         except OutputError as exc:
             return _output_failed(exc)
     if err is not None:
         print("tracejudge eval summary", file=err)
         print(summary.render(), file=err)
-    return _gate(gates, summary)
+        if collected is not None:
+            print(collected.render(), file=err)
+        for name in topic_only(settings):
+            print(f"  collection {name}: a topic only; its rows are published by tracejudge run", file=err)
+        if isinstance(evaluation, AppEvaluation):
+            print(f"  {evaluation.render()}", file=err)
+    status = _gate(gates, summary)
+    if isinstance(evaluation, AppEvaluation):
+        status = max(status, evaluation.gate(app_errors))
+    return max(status, baseline.decide()) if baseline is not None else status
 
 
-def _write_results(evaluation: FileEvaluation, inputs: list[tuple[str, BinaryIO]], judges: Any,
-                   session_judges: Any, out: AtomicOutput | StdoutOutput, summary: Summary,
-                   err: IO[str] | None) -> None:
-    """Every trace result, then (the end of the input closing every session) every session result."""
+def _write_results(evaluation: FileEvaluation | AppEvaluation, inputs: list[tuple[str, BinaryIO]],
+                   judges: Any, session_judges: Any, out: AtomicOutput | StdoutOutput, summary: Summary,
+                   err: IO[str] | None, collected: CollectionFiles | None = None,
+                   observe: Callable[[EvaluationResult], None] | None = None) -> None:
+    """Every trace result, then (the end of the input closing every session) every session result;
+    the rows of the traces the `collections:` rules collect to their files."""
     results = evaluation.results(inputs)
     if judges is not None:
         results = with_judgements(results, judges)
@@ -339,8 +364,12 @@ def _write_results(evaluation: FileEvaluation, inputs: list[tuple[str, BinaryIO]
     grouper = SessionGrouper()
     for result in results:
         out.write(result.to_json() + b"\n")
+        if collected is not None:
+            collected.add(result)
         summary.add(result)
         grouper.add(result)
+        if observe is not None:
+            observe(result)
         now = time.monotonic()
         if err is not None and now - last_progress >= PROGRESS_EVERY_SECONDS:
             last_progress = now

@@ -20,7 +20,8 @@ import tempfile
 
 from tracejudge.schemas.errors import InputError, OutputError
 
-__all__ = ["AtomicOutput", "OutputError", "StdoutOutput", "refuse_overwriting_inputs", "silence_stdout"]
+__all__ = ["AtomicOutput", "OutputError", "StdoutOutput", "refuse_overwriting_inputs", "silence_stdout",
+           "write_text"]
 
 
 def silence_stdout() -> None:
@@ -166,6 +167,17 @@ class AtomicOutput:
 
     def __exit__(self, *exc: object) -> None:
         self.discard()
+
+
+def write_text(out: str, text: str) -> None:
+    """Write one whole text (UTF-8) to `out`, "-" for standard output. A file is replaced only once all
+    of it is written (`AtomicOutput`), so a failure (`OutputError`) leaves the previous one as it was."""
+    target = StdoutOutput() if out == "-" else AtomicOutput(out)
+    try:
+        target.write(text.encode("utf-8"))
+        target.commit()
+    finally:
+        target.discard()
 
 
 def _umask() -> int:

@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of `tracejudge sink`; each flag overrides its configuration key."""
     parser.add_argument("kind", metavar="KIND", action=_SinkKind,
                         help="mlflow (MLflow assessments on the traces), otlp (OpenTelemetry "
-                             "gen_ai.evaluation.result events to a collector), or a kind named in "
+                             "gen_ai.evaluation.result events to a collector), phoenix (Arize Phoenix "
+                             "span annotations), or a kind named in "
                              "sink.plugins; `tracejudge sink KIND --help` describes that sink and its "
                              "sink.KIND: settings")
     add_runtime_arguments(

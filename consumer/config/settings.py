@@ -7,12 +7,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, model_validator
 
+from tracejudge.consumer.config.alerts import AlertsSettings
+from tracejudge.consumer.config.collections import CollectionRule, check_collections
 from tracejudge.consumer.config.common import Section
+from tracejudge.consumer.config.findings import FindingsSettings
 from tracejudge.consumer.config.kafka import KafkaSettings
 from tracejudge.consumer.config.sessions import AgreementSettings, SessionsSettings
 from tracejudge.consumer.config.sink import SinkSettings
+from tracejudge.consumer.config.slos import SloSpec, check_slos
 from tracejudge.consumer.config.stream import (
     HttpSettings,
     LoggingSettings,
@@ -49,6 +53,22 @@ class Settings(Section):
     judges: JudgesConfig | None = None
     # `tracejudge agreement` (human labels joined with the judges' verdicts).
     agreement: AgreementSettings = Field(default_factory=AgreementSettings)
+    # The links in the alerts (`tracejudge alerts render`).
+    alerts: AlertsSettings = Field(default_factory=AlertsSettings)
+    # `tracejudge findings` (what the failing verdicts have in common, per app and judge).
+    findings: FindingsSettings = Field(default_factory=FindingsSettings)
+    # Rules routing matching traces into collections (tracejudge.consumer.config.collections).
+    # A default, not a factory: the loader fills absent factory sections with {}, and this is a list.
+    collections: list[CollectionRule] = Field(default=[])
+    # Quality SLOs per app and judge (`tracejudge slo render`: recording rules and burn-rate alerts).
+    slos: list[SloSpec] = Field(default=[])
+
+    @model_validator(mode="after")
+    def _collections_known(self) -> Settings:
+        # Rules name judges and metrics of other sections: checked once all are read.
+        check_collections(self.collections, self.judges, self.metrics)
+        check_slos(self.slos, self.judges)
+        return self
 
     def redacted(self) -> dict[str, Any]:
         """Effective settings as flat `section.key -> value`, by each field's declared secrecy

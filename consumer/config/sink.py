@@ -17,7 +17,8 @@ from tracejudge.schemas.errors import ConfigError
 __all__ = ["BUILTIN_SINKS", "CLASS_SPEC", "SINK_KIND", "SinkSettings"]
 
 BUILTIN_SINKS = {"mlflow": "tracejudge.consumer.sinks.mlflow:MlflowSink",
-                 "otlp": "tracejudge.consumer.sinks.otlp:OtlpSink"}
+                 "otlp": "tracejudge.consumer.sinks.otlp:OtlpSink",
+                 "phoenix": "tracejudge.consumer.sinks.phoenix:PhoenixSink"}
 SINK_KIND = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 CLASS_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
@@ -36,6 +37,10 @@ class SinkSettings(Section):
     session_results_topic: str | None = None
     # False: write trace verdicts only, even when a session results topic is configured.
     write_sessions: bool = True
+    # The findings to write back too (sinks that handle findings). Default: findings.findings_topic.
+    findings_topic: str | None = None
+    # False: do not read findings, even when a findings topic is configured.
+    write_findings: bool = True
     # Where records that are not tracejudge results (or of a newer schema version) go; else logged.
     dead_letter_topic: str | None = None
     # Default: tracejudge-sink-<kind>, so every kind reads every result.
@@ -46,13 +51,18 @@ class SinkSettings(Section):
     checkpoint_interval_ms: int = Field(default=1_000, ge=0)
     # Cap of the exponential back-off between offers of a batch the sink asked to retry (`RetryLater`).
     max_retry_backoff_s: float = Field(default=60.0, gt=0)
+    # Results a sink deferred (their trace not at the backend yet) waiting to be offered again, over
+    # every partition; beyond it a partition is held instead (`tracejudge_sink_park_full_total`).
+    max_parked_records: int = Field(default=10_000, ge=0)
     # More sinks: kind -> "package.module:Class", a `tracejudge.consumer.sinks.base.Sink`.
     plugins: dict[str, str] = Field(default_factory=dict)
     # The built-in sinks' sections, validated by their sinks (`from_mapping`): opaque here.
     mlflow: Annotated[dict[str, Any] | None, OPAQUE] = None
     otlp: Annotated[dict[str, Any] | None, OPAQUE] = None
+    phoenix: Annotated[dict[str, Any] | None, OPAQUE] = None
 
-    _topic = field_validator("results_topic", "session_results_topic", "dead_letter_topic")(optional_topic)
+    _topic = field_validator("results_topic", "session_results_topic", "findings_topic",
+                             "dead_letter_topic")(optional_topic)
 
     _group = field_validator("group_id")(group_id_value)
 
@@ -78,6 +88,11 @@ class SinkSettings(Section):
         if self.dead_letter_topic is not None and self.dead_letter_topic == self.session_results_topic:
             raise ConfigError("dead_letter_topic", "is the session results topic; the sink would read its "
                               "own dead letters")
+        if self.findings_topic is not None and self.findings_topic in (self.dead_letter_topic,
+                                                                       self.results_topic,
+                                                                       self.session_results_topic):
+            raise ConfigError("findings_topic", "is also the results, session results or dead-letter "
+                              "topic; findings need a topic of their own")
         return self
 
     def kinds(self) -> dict[str, str]:
@@ -86,5 +101,6 @@ class SinkSettings(Section):
 
     def section(self, kind: str) -> dict[str, Any]:
         """The sink's own section, `sink.<kind>` ({} when absent)."""
-        value = getattr(self, kind) if kind in ("mlflow", "otlp") else (self.model_extra or {}).get(kind)
+        builtin = kind in ("mlflow", "otlp", "phoenix")
+        value = getattr(self, kind) if builtin else (self.model_extra or {}).get(kind)
         return dict(value or {})

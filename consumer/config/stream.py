@@ -15,6 +15,7 @@ from tracejudge.consumer.config.common import (
     optional_topic,
     split_list,
 )
+from tracejudge.consumer.config.external_evaluations import ExternalEvaluationsSettings
 from tracejudge.metrics.sections import BuiltSection
 from tracejudge.schemas.errors import ConfigError
 
@@ -61,6 +62,9 @@ class StreamSettings(Section):
     # The trace tag (MLflow tag or metadata key, span attribute, row field) whose value is the
     # record's session id, over the conventions (`mlflow.trace.session`, `session.id`, ...).
     session_tag: str | None = None
+    # The trace tag (as session_tag) whose value is the record's version, the app's release, over the
+    # conventions (`mlflow.modelId`, `gen_ai.agent.version`, `service.version`, a `version` column).
+    version_tag: str | None = None
     # Records fetched and not yet exported; past it fetching pauses (memory stays bounded).
     max_in_flight: int = Field(default=2_000, gt=0)
     # Processes that decode and score MLflow / agent-evaluation / inference-log records beside the
@@ -75,6 +79,9 @@ class StreamSettings(Section):
     shutdown_grace_seconds: float = Field(default=10.0, ge=0)
     poll_timeout_ms: int = Field(default=250, gt=0)
     lag_interval_seconds: float = Field(default=2.0, gt=0)
+    # `gen_ai.evaluation.result` events of other evaluators on the logs topics (README: "Verdicts from
+    # other evaluators").
+    external_evaluations: ExternalEvaluationsSettings = Field(default_factory=ExternalEvaluationsSettings)
 
     _split = field_validator("topics", mode="before")(split_list)
 
@@ -152,6 +159,9 @@ class HttpSettings(Section):
 class PrometheusSettings(Section):
     # Distinct `app` label values before new ones are exported as "other".
     max_apps: int = Field(default=100, gt=0)
+    # Distinct `version` label values per app on the judge verdict series: the most recently first seen
+    # are kept, records of older (retired) versions are exported as "other".
+    max_versions: int = Field(default=5, gt=0)
 
 
 class LoggingSettings(Section):

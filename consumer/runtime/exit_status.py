@@ -1,8 +1,8 @@
 """What a `tracejudge` command's exit status means: one meaning per status, the same for every command.
 
     0    done: the input was evaluated (or the service stopped cleanly) and every gate passed
-    1    a quality gate failed: `eval --fail-under`, `calibrate --min-kappa` (the outputs are written:
-         the run itself succeeded, its verdict is what failed)
+    1    a quality gate failed: `eval --fail-under`, `calibrate --min-kappa`, `dataset merge-labels` with
+         conflicting labels (the outputs are written: the run itself succeeded, its verdict is what failed)
     2    usage, configuration or unreadable input: a bad option or configuration key, an input that
          cannot be opened, an input file of which no line could be read as a record (gzip not named
          .gz, UTF-16, CSV, pretty-printed JSON, ...), an output path that is one of the inputs.

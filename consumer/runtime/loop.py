@@ -49,6 +49,7 @@ from kafka.structs import TopicPartition
 from prometheus_client import CollectorRegistry
 
 from tracejudge.consumer.config import Settings
+from tracejudge.consumer.runtime.fleet_spend import FleetSpendBoards, start_fleet_spend
 from tracejudge.consumer.runtime.http import OperationsServer
 from tracejudge.consumer.runtime.logs import KAFKA_CONNECTION_LOGS, cannot_connect, suppress_logged
 from tracejudge.consumer.runtime.offsets import OffsetTracker
@@ -133,6 +134,7 @@ class ConsumerRuntime:
         self._broker_lost_since: float | None = None
         self._thread: threading.Thread | None = None
         self._external_stop: threading.Event | None = None
+        self._fleet_spend: FleetSpendBoards | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -207,6 +209,8 @@ class ConsumerRuntime:
         started = time.monotonic()
         self.producing.open()
         self.stage.open(self)
+        # Fleet-wide spend caps (judges.fleet_spend): the ledgers of the stage's judge runners.
+        self._fleet_spend = start_fleet_spend(s)
         config = s.kafka.consumer_config()
         config["group_id"] = self.group_id
         try:
@@ -393,6 +397,8 @@ class ConsumerRuntime:
         finally:
             with suppress_logged(self.log, "closing the stage"):
                 self.stage.close()
+            if self._fleet_spend is not None:
+                self._fleet_spend.close()
             self.producing.close()
             if self._http is not None:
                 self._http.stop()

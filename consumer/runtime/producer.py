@@ -54,7 +54,8 @@ class Outputs:
     `PrometheusExporter`, `SessionMetrics` or `SinkMetrics`); `record_format` is the format a dead
     letter's `tracejudge-format` header names when the stage does not say (`tracejudge_result` for
     the stages that read results). `make_results`/`make_dead_letters` replace the publishers (the
-    backfill marks its results and only counts its rejects)."""
+    backfill marks its results and only counts its rejects). `extra_topics`: other topics the stage's
+    results publisher writes to (the run stage's collections), which need the producer too."""
 
     metrics: Any = None
     results_topic: str | None = None
@@ -62,6 +63,7 @@ class Outputs:
     record_format: str = "auto"
     make_results: MakeResults | None = None
     make_dead_letters: MakeDeadLetters | None = None
+    extra_topics: tuple[str, ...] = ()
 
 
 class Producing:
@@ -81,7 +83,7 @@ class Producing:
     def open(self) -> None:
         """Create the producer when the stage names a topic; `StartupError` when it cannot be made."""
         s, out = self.settings, self.outputs
-        if out.results_topic or out.dead_letter_topic:
+        if out.results_topic or out.dead_letter_topic or out.extra_topics:
             started = time.monotonic()
             try:
                 self.producer = KafkaProducer(**s.kafka.client_config(), **s.producer.producer_config())

@@ -23,11 +23,19 @@ done and its offset may be committed. Modelled on Quix Streams' `BatchingSink`.
 
 Delivery is at least once: after a crash or a rebalance a batch may be written again, so a sink
 must make its writes idempotent (look for its own key before writing). A sink that cannot write
-now (network error, 429, 5xx, a trace the backend does not know yet) raises `RetryLater`: the runtime
-pauses the partition, waits `after_s`, and calls `write` again with the same batch, uncommitted; its
-lag grows, nothing is lost. A write that can never succeed for one record (a trace still unknown
-after its retry window) is *skipped* by the sink and counted in the report by reason, so one bad
-record cannot hold a partition for ever. Any other exception ends the sink process (non-zero exit,
+now (network error, 429, 5xx) raises `RetryLater`: the runtime pauses the partition, waits `after_s`,
+and calls `write` again with the same batch, uncommitted; its lag grows, nothing is lost.
+
+A record that cannot be written *yet* while the rest of the batch can (its trace has not reached the
+backend) is *deferred*: `report.defer(record, reason, after_s)`. The runtime counts the others done and
+parks the deferred ones in a bounded set, their offsets uncommitted (a partition is committed only up
+to its lowest parked record), and offers them again, in a batch of their own, after `after_s`; the
+sink decides each wait (a growing back-off) and when to stop. The partition keeps flowing meanwhile.
+When the parked set is full (`sink.max_parked_records`), the runtime holds the partition instead, as
+for `RetryLater`. A write that can never succeed for one record (a trace still unknown after its
+retry window) is *skipped* by the sink and counted in the report by reason (`report.give_up(reason)`
+also counts the record as given up), so one bad record cannot hold a partition, or stay parked, for
+ever. Any other exception ends the sink process (non-zero exit,
 nothing committed past the failed batch): a bug must not be mistaken for a skip.
 
 Settings. A sink declares its settings, the `sink.<kind>` section, as a `SinkSection`: a pydantic model
@@ -63,6 +71,12 @@ sink written before sessions never meets one: its records stay trace results. Fo
 the session's verdicts on) and `record.result` the line as a dict (no `trace_id`: a session has several
 traces); `record.assessments()` are the session judges' assessments. A session evaluated again (a turn
 arrived after it closed) comes again with `evaluation` n+1; its verdicts replace the earlier ones.
+
+Findings. `tracejudge findings` publishes what the failing verdicts have in common (`"kind": "finding"`
+lines, `metrics.findings.Finding`) to `findings.findings_topic`; a sink whose class says
+`accepts_findings = True` reads that topic too (`sink.findings_topic`) and gets each line as a record
+with `record.kind == "finding"` and `record.result` the finding dict (no `trace_id`: its
+`example_trace_ids` name the traces). Such a record defers and gives up like any other.
 """
 
 from __future__ import annotations
@@ -73,9 +87,17 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Self, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Self, Union, get_args, get_origin
 
-from pydantic import ConfigDict, SecretStr, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    ConfigDict,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 
 from tracejudge.metrics.judges.secrets import MASK, SECRET, redact_url
 from tracejudge.metrics.sections import Section, problems, render_key
@@ -84,7 +106,8 @@ from tracejudge.schemas.errors import ConfigError
 if TYPE_CHECKING:
     from tracejudge.schemas.session import SessionResult
 
-__all__ = ["RetryLater", "Sink", "SinkBatch", "SinkRecord", "SinkSection", "WriteReport"]
+__all__ = ["Deferral", "OptionalName", "RetryLater", "Sink", "SinkBatch", "SinkRecord", "SinkSection",
+           "WriteReport", "key_from_environment"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +128,11 @@ class SinkRecord:
 
     @property
     def kind(self) -> str:
-        """"session" for a session result, "trace" for a trace result."""
-        return "trace" if self.session is None else "session"
+        """"session" for a session result, "finding" for a finding line (only sinks with
+        `accepts_findings` get those), "trace" for a trace result."""
+        if self.session is not None:
+            return "session"
+        return "finding" if self.result.get("kind") == "finding" else "trace"
 
     @property
     def trace_id(self) -> str | None:
@@ -127,17 +153,38 @@ class SinkBatch:
     records: list[SinkRecord]
 
 
+@dataclass(frozen=True, slots=True)
+class Deferral:
+    """Why a record was not written yet, and when to offer it again."""
+
+    reason: str
+    after_s: float
+
+
 @dataclass(slots=True)
 class WriteReport:
-    """What `write` did with a batch: writes made, writes already there (a redelivery), and skips
-    by reason (exported as `tracejudge_sink_skipped_total{sink, reason}`)."""
+    """What `write` did with a batch: writes made, writes already there (a redelivery), skips by
+    reason (exported as `tracejudge_sink_skipped_total{sink, reason}`), the records deferred (offered
+    again later, see the module docstring) and the records given up on by reason."""
 
     written: int = 0
     already_written: int = 0
     skipped: Counter[str] = field(default_factory=Counter)
+    # Offset -> why and when: records not written yet; every other record of the batch is done.
+    deferred: dict[int, Deferral] = field(default_factory=dict)
+    # Records whose write the sink gave up on after retrying (`tracejudge_sink_given_up_total`).
+    given_up: Counter[str] = field(default_factory=Counter)
 
     def skip(self, reason: str, n: int = 1) -> None:
         self.skipped[reason] += n
+
+    def defer(self, record: SinkRecord, reason: str, after_s: float) -> None:
+        """Offer `record` again in `after_s` seconds (its offset stays uncommitted until then)."""
+        self.deferred[record.offset] = Deferral(reason, max(0.0, float(after_s)))
+
+    def give_up(self, reason: str, n: int = 1) -> None:
+        """`n` records will never be written (their verdicts counted with `skip`)."""
+        self.given_up[reason] += n
 
 
 class SinkSection(Section):
@@ -217,6 +264,32 @@ def _admits_none(annotation: Any) -> bool:
                                   and type(None) in get_args(annotation))
 
 
+def _empty_is_none(v: Any) -> Any:
+    return None if v == "" else v
+
+
+def _not_blank(v: str | None) -> str | None:
+    if v is not None and not v.strip():
+        raise ValueError("must not be empty")
+    return v
+
+
+# An optional setting naming a variable, a file or an id: a stated empty value (an environment override
+# `TRACEJUDGE_SINK__MLFLOW__TOKEN_ENV=`) means none, a blank one is an error (`must not be empty`).
+OptionalName = Annotated[str | None, BeforeValidator(_empty_is_none), AfterValidator(_not_blank)]
+
+
+def key_from_environment(data: Any, info: ValidationInfo, key: str, variable: str) -> Any:
+    """A section's raw mapping with `key`, when not stated, taken from the environment `variable` (a
+    backend's own, such as MLFLOW_TRACKING_URI), read from the validators' `env` context, else os.environ.
+    For a `model_validator(mode="before")`."""
+    env = (info.context or {}).get("env", os.environ)
+    stated = env.get(variable)
+    if isinstance(data, Mapping) and data.get(key) is None and stated:
+        return {**data, key: stated}
+    return data
+
+
 class RetryLater(Exception):
     """The batch cannot be written now; call `write` again with it after `after_s` seconds."""
 
@@ -234,6 +307,9 @@ class Sink(ABC):
     # True when `write` handles session results (`SinkRecord.session`); the runtime then reads the
     # session results topic too. False (the default): the sink is offered trace results only.
     accepts_sessions: ClassVar[bool] = False
+    # True when `write` handles finding lines (`record.kind == "finding"`, `record.result` the line as
+    # `consumer/sinks/findings.decode_finding` checked it); the runtime then reads the findings topic too.
+    accepts_findings: ClassVar[bool] = False
 
     def setup(self) -> None:  # noqa: B027 - optional hook
         """Connect and check the configuration before the first poll; raise `ConfigError` (named
@@ -241,8 +317,9 @@ class Sink(ABC):
 
     @abstractmethod
     def write(self, batch: SinkBatch) -> WriteReport:
-        """Write the batch's verdicts; return only when every record is written or deliberately
-        skipped. Raise `RetryLater` to have the same batch offered again."""
+        """Write the batch's verdicts; return only when every record is written, deliberately
+        skipped, or deferred (`report.defer`: offered again later on its own). Raise `RetryLater` to
+        have the same batch offered again."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Flush and release connections; called once at shutdown, after the last `write`."""

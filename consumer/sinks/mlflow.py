@@ -47,7 +47,10 @@ number as the value) is found by its key and left as it is, never written a seco
 **Session results** (`"kind": "session"`, from the session results topic): each session judge's
 assessment becomes a feedback on the session's first trace, the chronologically first turn with an
 MLflow trace id, where MLflow's own session scoring logs it (`session_processor.py` ->
-`get_first_trace_in_session`), with `span_id` = that turn's root span when known, as MLflow does. The
+`get_first_trace_in_session`; `mlflow.genai.evaluate` puts a session scorer's there too), with `span_id`
+= that turn's root span when known, as MLflow does. Its `mlflow.trace.session` mark is what makes MLflow's
+trace search scope the verdict to the whole session (a search on it lists every turn), as for MLflow's
+own session scorers (`sqlalchemy_store._get_session_scoped_trace_ids`). The
 mapping above applies, plus metadata `mlflow.assessment.onlineScoringSessionId` and
 `mlflow.trace.session` = the session id (MLflow's marks), `tracejudge.evaluation` (the session's
 evaluation number), `tracejudge.sessionStatus`, `tracejudge.closeReason`, `tracejudge.turns` and
@@ -67,10 +70,15 @@ former first trace keeps the earlier evaluation's feedback (MLflow behaves the s
 {sink, reason}`, `tracejudge_sink_retries_total{sink, reason}`), counted per feedback:
 - `written` / `already_written`.
 - skipped `unknown_trace`: the trace is not on the server. It may get there after its result, so the
-  batch is retried (`RetryLater`, reason `unknown_trace`) every `unknown_trace_retry_s /
-  (unknown_trace_attempts - 1)` seconds; once a trace has been looked for `unknown_trace_attempts`
-  times and `unknown_trace_retry_s` have passed since the first time, its feedback is skipped. The
-  table of traces being waited for is bounded (oldest forgotten first).
+  sink writes the batch's other verdicts at once and *defers* the records of that trace
+  (`WriteReport.defer`): the sink stage parks them, uncommitted, and offers them again after a growing
+  back-off, `unknown_trace_backoff_s` doubling per look up to `unknown_trace_max_backoff_s` (0.5 s,
+  1 s, 2 s, 4 s, 5 s, 5 s ... by default), while the partition's other verdicts go on being written
+  (counted: `tracejudge_sink_retries_total{reason="unknown_trace"}` per write that deferred any).
+  Once a trace has been looked for `unknown_trace_attempts` times and `unknown_trace_retry_s` have
+  passed since the first time, its feedback is skipped and its records given up on
+  (`WriteReport.give_up`): never retried for ever. The table of traces being waited for is bounded
+  (oldest forgotten first).
 - skipped `other_experiment`: `experiment_id` is set and the trace belongs to another experiment.
 - skipped `no_trace_id`: the result names no trace (a session result: no turn names an MLflow trace).
 - skipped `shadow`: a shadow (candidate) judge's assessment (`shadow_of` set;
@@ -99,9 +107,8 @@ import logging
 import math
 import os
 import random
-import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,7 +128,9 @@ from tracejudge.consumer.sinks.mlflow_client import (
     error_code,
     raise_unavailable,
 )
+from tracejudge.consumer.sinks.mlflow_findings import FindingWriter
 from tracejudge.consumer.sinks.mlflow_settings import MlflowSinkSettings
+from tracejudge.consumer.sinks.waiting import UnknownTargets
 from tracejudge.metrics.telemetry.sinks import SinkWriteMetrics
 from tracejudge.schemas.errors import ConfigError
 from tracejudge.schemas.session import SessionResult, TurnRef
@@ -133,8 +142,6 @@ __all__ = ["SESSION_ID_KEY", "MlflowSink", "MlflowSinkSettings", "feedback_key",
 log = logging.getLogger(__name__)
 
 KIND = "mlflow"
-# Traces waited for at once (about 150 bytes each); the oldest is forgotten beyond it.
-MAX_TRACKED_TRACES = 100_000
 # The first wait after a network error or a 5xx; the sink runtime doubles it per failed offer of a
 # partition's batch (up to `sink.max_retry_backoff_s`), so the sink does not grow it a second time.
 BACKOFF_BASE_S = 0.5
@@ -189,6 +196,8 @@ def session_trace(session: SessionResult) -> TurnRef | None:
 @dataclass(slots=True)
 class _Plan:
     by_trace: dict[str, list[Feedback]] = field(default_factory=dict)
+    # A feedback's key -> the record it came from (the record to defer when its trace is not there yet).
+    origin: dict[str, SinkRecord] = field(default_factory=dict)
     skipped: Counter[str] = field(default_factory=Counter)
     duplicates: int = 0
     # (trace, session, name) -> the newest evaluation's feedback in this batch.
@@ -324,6 +333,7 @@ class _Mapper:
                     plan.duplicates += 1
                     continue
                 seen.add(fb.key)
+                plan.origin[fb.key] = record
                 plan.by_trace.setdefault(trace_id, []).append(fb)
         for fb in plan.sessions.values():
             plan.by_trace.setdefault(fb.trace_id, []).append(fb)
@@ -366,6 +376,7 @@ class _Mapper:
             if earlier is not None:
                 plan.skipped["superseded"] += 1
             plan.sessions[slot] = fb
+            plan.origin[fb.key] = record
 
     def _feedback(self, result: Mapping[str, Any], trace_id: str, plan: _Plan) -> Iterable[Feedback]:
         common = {"tracejudge.version": self.version, **_source_metadata(result)}
@@ -451,48 +462,13 @@ class _Mapper:
 # --- waiting for traces that are not there yet -----------------------------------------------------
 
 
-class _UnknownTraces:
-    """Per trace not (yet) on the server: when it was first looked for and how many times.
+_UnknownTraces = UnknownTargets  # the shared table (tracejudge.consumer.sinks.waiting)
 
-    `seen(trace)` records one more look and says whether to give up: after `attempts` looks, once
-    `window_s` have passed since the first. An entry older than twice the window starts over (a
-    trace met again long after, in a new result). Bounded: the least recently seen goes first."""
 
-    def __init__(self, attempts: int, window_s: float, clock: Callable[[], float],
-                 max_tracked: int = MAX_TRACKED_TRACES) -> None:
-        self.attempts = attempts
-        self.window_s = window_s
-        self._clock = clock
-        self._max = max_tracked
-        self._table: OrderedDict[str, list[float]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._table)
-
-    @property
-    def retry_after_s(self) -> float:
-        return self.window_s / max(self.attempts - 1, 1)
-
-    def seen(self, trace_id: str) -> bool:
-        now = self._clock()
-        with self._lock:
-            entry = self._table.get(trace_id)
-            # (Without a window, never: an entry would start over at every look and never give up.)
-            stale = self.window_s > 0 and entry is not None \
-                and now - entry[0] > 2 * self.window_s + self.retry_after_s
-            if entry is None or stale:
-                entry = [now, 0.0]
-            entry[1] += 1
-            self._table[trace_id] = entry
-            self._table.move_to_end(trace_id)
-            while len(self._table) > self._max:
-                self._table.popitem(last=False)
-            return entry[1] >= self.attempts and now - entry[0] >= self.window_s
-
-    def found(self, trace_id: str) -> None:
-        with self._lock:
-            self._table.pop(trace_id, None)
+def _records_of(items: list[Feedback], plan: _Plan) -> list[SinkRecord]:
+    """The records the feedback came from, each once, in offset order."""
+    records = {id(r): r for r in (plan.origin[fb.key] for fb in items if fb.key in plan.origin)}
+    return sorted(records.values(), key=lambda r: r.offset)
 
 
 # --- the sink ----------------------------------------------------------------------------------------
@@ -503,6 +479,7 @@ class MlflowSink(Sink):
 
     kind = KIND
     accepts_sessions = True
+    accepts_findings = True
 
     def __init__(self, settings: MlflowSinkSettings, registry: CollectorRegistry | None = None, *,
                  env: Mapping[str, str] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
@@ -510,11 +487,18 @@ class MlflowSink(Sink):
         self._env = os.environ if env is None else env
         self._client = MlflowClient(settings, self._env)
         self._mapper = _Mapper(settings.write_metrics)
-        self._unknown = _UnknownTraces(settings.unknown_trace_attempts, settings.unknown_trace_retry_s, clock)
+        self._unknown = _UnknownTraces(settings.unknown_trace_attempts, settings.unknown_trace_retry_s, clock,
+                                       backoff_s=settings.unknown_trace_backoff_s,
+                                       max_backoff_s=settings.unknown_trace_max_backoff_s)
         metrics = SinkWriteMetrics(KIND, registry if registry is not None else CollectorRegistry(),
                                    deletes=True)
         self._writes, self._skipped, self._retries = metrics.writes, metrics.skipped, metrics.retries
         self._deletes = metrics.deletes
+        # Findings become trace tags on their example traces (`mlflow_findings`), waited for the same way.
+        self._findings = FindingWriter(self._client, _UnknownTraces(
+            settings.unknown_trace_attempts, settings.unknown_trace_retry_s, clock,
+            backoff_s=settings.unknown_trace_backoff_s, max_backoff_s=settings.unknown_trace_max_backoff_s),
+            settings.experiment_id)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -547,12 +531,19 @@ class MlflowSink(Sink):
 
     def write(self, batch: SinkBatch) -> WriteReport:
         report = WriteReport()
-        plan = self._mapper.plan(batch.records)
+        findings = [r for r in batch.records if r.kind == "finding"]
+        plan = self._mapper.plan([r for r in batch.records if r.kind != "finding"] if findings
+                                 else batch.records)
         report.already_written += plan.duplicates
         try:
             infos = self._client.lookup(list(plan.by_trace))
+            # Finding tags set before the verdicts; a retried batch finds them by their values.
+            if findings and (transient := self._findings.write(findings, report, plan.skipped)):
+                self._retry(transient)
         except Unavailable as exc:  # the server cannot answer now
             self._retry(exc.failures)
+        if report.written:  # finding tags set
+            self._writes.labels(KIND, "written").inc(report.written)
         waiting: list[str] = []
         todo: list[Feedback] = []
         # Session feedback on its trace (written now or before), whose earlier evaluations go after.
@@ -562,6 +553,7 @@ class MlflowSink(Sink):
             if info is None:
                 if self._unknown.seen(trace_id):
                     plan.skipped["unknown_trace"] += len(items)
+                    report.give_up("unknown_trace", len(_records_of(items, plan)))
                 else:
                     waiting.append(trace_id)
                 continue
@@ -597,8 +589,13 @@ class MlflowSink(Sink):
             self._retry(transient)
         self._replace(replacing)
         if waiting:
+            # Written meanwhile: every other trace's verdicts. These records are offered again on their
+            # own once their back-off has passed; the partition goes on (tracejudge.consumer.stages.sink).
             self._retries.labels(KIND, "unknown_trace").inc()
-            raise RetryLater("unknown_trace", after_s=self._unknown.retry_after_s)
+            for trace_id in waiting:
+                wait = self._unknown.wait_s(trace_id)
+                for record in _records_of(plan.by_trace[trace_id], plan):
+                    report.defer(record, "unknown_trace", wait)
         self._writes.labels(KIND, "already_written").inc(report.already_written)
         for reason, n in plan.skipped.items():
             report.skip(reason, n)

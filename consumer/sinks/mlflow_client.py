@@ -92,6 +92,8 @@ class TraceInfo:
     keys: set[str]
     experiment_id: str | None
     sessions: list[SessionFeedback] = field(default_factory=list)
+    # The trace's tags (the findings written on it are `tracejudge.finding.*` tags).
+    tags: dict[str, str] = field(default_factory=dict)
 
     def newer(self, fb: Feedback) -> bool:
         """True when the trace holds this session's feedback of the same name from a later evaluation."""
@@ -211,16 +213,37 @@ class MlflowClient:
 
     def post(self, fb: Feedback) -> str:
         r = self._request("POST", f"{TRACES_PATH}/{quote(fb.trace_id, safe='')}/assessments", fb.body)
-        if r.status_code == 200:
-            return "written"
-        if r.status_code == 404 and error_code(r) in ("RESOURCE_DOES_NOT_EXIST", None):
-            return "unknown"
-        self._raise_transient(r)
+        if outcome := self._written_or_unknown(r):
+            return outcome
         code = error_code(r)
         self.log_once(("rejected", r.status_code, code), logging.WARNING,
                        "MLflow rejected feedback %r (HTTP %d, %s): %s; skipping such feedback",
                        fb.name, r.status_code, code or "no error code", _message(r))
         return "rejected"
+
+    def set_tag(self, target: tuple[str, str, str]) -> str:
+        """Set one trace tag (`PATCH /api/2.0/mlflow/traces/{id}/tags`, MLflow's `set_trace_tag`): an
+        upsert, so setting it again changes nothing. "written", "unknown" (no such trace), "rejected"."""
+        trace_id, key, value = target
+        r = self._request("PATCH", f"/api/2.0/mlflow/traces/{quote(trace_id, safe='')}/tags",
+                          orjson.dumps({"key": key, "value": value}))
+        if outcome := self._written_or_unknown(r):
+            return outcome
+        code = error_code(r)
+        self.log_once(("tag", r.status_code, code), logging.WARNING,
+                      "MLflow rejected trace tag %r (HTTP %d, %s): %s; skipping such tags", key,
+                      r.status_code, code or "no error code", _message(r))
+        return "rejected"
+
+    def _written_or_unknown(self, r: httpx.Response) -> str | None:
+        """A write to a trace: "written", "unknown" (no such trace), `Transient` raised for a failure worth
+        retrying, else None (rejected: the caller says what was)."""
+        if r.status_code == 200:
+            return "written"
+        if r.status_code == 404 and error_code(r) in ("RESOURCE_DOES_NOT_EXIST", None):
+            return "unknown"
+        self._raise_transient(r)
+        return None
 
     def delete(self, target: tuple[str, str]) -> str:
         trace_id, assessment_id = target
@@ -316,4 +339,9 @@ def _trace_info(info: Mapping[str, Any]) -> TraceInfo:
     experiment = None
     if isinstance(location, Mapping) and isinstance(location.get("mlflow_experiment"), Mapping):
         experiment = location["mlflow_experiment"].get("experiment_id")
-    return TraceInfo(keys, str(experiment) if experiment is not None else None, sessions)
+    raw = info.get("tags")
+    if isinstance(raw, list):  # [{key, value}] (MLflow 2's TraceInfo)
+        raw = {t.get("key"): t.get("value") for t in raw if isinstance(t, Mapping)}
+    tags = {k: v for k, v in raw.items() if isinstance(k, str) and isinstance(v, str)} \
+        if isinstance(raw, Mapping) else {}
+    return TraceInfo(keys, str(experiment) if experiment is not None else None, sessions, tags)

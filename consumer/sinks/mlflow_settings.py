@@ -18,14 +18,12 @@ from urllib.parse import urlsplit
 import httpx
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from tracejudge.consumer.sinks.base import SinkSection
+from tracejudge.consumer.sinks.base import OptionalName, SinkSection, key_from_environment
+from tracejudge.consumer.sinks.waiting import RetryAttempts, RetryBackoffS, RetryMaxBackoffS, RetryWindowS
 from tracejudge.metrics.judges.secrets import redact_url, url_problem
 from tracejudge.schemas.errors import ConfigError
 
 __all__ = ["Bearer", "MlflowSinkSettings"]
-
-# Keys whose stated empty value (an environment override `TRACEJUDGE_SINK__MLFLOW__TOKEN_ENV=`) means "none".
-_OPTIONAL_NAMES = ("experiment_id", "token_env", "token_file", "username_env", "password_env")
 
 
 class MlflowSinkSettings(SinkSection):
@@ -35,24 +33,26 @@ class MlflowSinkSettings(SinkSection):
 
     # Required: the key, else MLFLOW_TRACKING_URI.
     tracking_uri: str = Field(default="", validate_default=True)
-    experiment_id: str | None = None
-    token_env: str | None = "MLFLOW_TRACKING_TOKEN"
-    token_file: str | None = None
-    username_env: str | None = "MLFLOW_TRACKING_USERNAME"
-    password_env: str | None = "MLFLOW_TRACKING_PASSWORD"
+    # Optional (`OptionalName`: a stated empty value, an environment override `..._TOKEN_ENV=`, means none).
+    experiment_id: OptionalName = None
+    token_env: OptionalName = "MLFLOW_TRACKING_TOKEN"
+    token_file: OptionalName = None
+    username_env: OptionalName = "MLFLOW_TRACKING_USERNAME"
+    password_env: OptionalName = "MLFLOW_TRACKING_PASSWORD"
     max_concurrency: int = Field(default=16, ge=1)
-    unknown_trace_retry_s: float = Field(default=300.0, ge=0, allow_inf_nan=False)
-    unknown_trace_attempts: int = Field(default=5, ge=1)
+    unknown_trace_retry_s: RetryWindowS
+    unknown_trace_attempts: RetryAttempts
+    # The first wait before a trace not on the server is looked for again; each later wait doubles, up
+    # to the cap (the results of that trace wait parked meanwhile; the partition's others are written).
+    unknown_trace_backoff_s: RetryBackoffS
+    unknown_trace_max_backoff_s: RetryMaxBackoffS
     write_metrics: bool = False
     timeout_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
     def _uri_from_environment(cls, data: Any, info: ValidationInfo) -> Any:
-        env = (info.context or {}).get("env", os.environ)
-        if isinstance(data, Mapping) and data.get("tracking_uri") is None and env.get("MLFLOW_TRACKING_URI"):
-            return {**data, "tracking_uri": env["MLFLOW_TRACKING_URI"]}
-        return data
+        return key_from_environment(data, info, "tracking_uri", "MLFLOW_TRACKING_URI")
 
     @field_validator("tracking_uri")
     @classmethod
@@ -62,18 +62,6 @@ class MlflowSinkSettings(SinkSection):
         if problem := _check_uri(v):
             raise ValueError(problem)
         return v.rstrip("/")
-
-    @field_validator(*_OPTIONAL_NAMES, mode="before")
-    @classmethod
-    def _empty_is_none(cls, v: Any) -> Any:
-        return None if v == "" else v
-
-    @field_validator(*_OPTIONAL_NAMES)
-    @classmethod
-    def _name(cls, v: str | None) -> str | None:
-        if v is not None and not v.strip():
-            raise ValueError("must not be empty")
-        return v
 
     def resolve(self, env: Mapping[str, str]) -> Self:
         """Read the credentials once, so a problem with them is reported at start-up."""

@@ -45,6 +45,14 @@ attributes, status ERROR on a judge error) in the evaluated trace: a child of th
 (parent = that span id, a remote parent), for trace-only backends such as Jaeger. Its span id is
 derived from `tracejudge.evaluation.id`, so a re-sent verdict repeats the same span id.
 
+`evaluator_attributes: true` adds the evaluator provenance attributes a proposal to the GenAI
+conventions defines (open-telemetry/semantic-conventions-genai#359, not yet accepted: off by default,
+names may change): `gen_ai.evaluation.evaluator.id` (the judge's name), `.version` (`judge.version`)
+and `.type` (the kind of `source`: `llm`, `heuristic`, …), to the event and the span.
+
+Findings (`"kind": "finding"` lines from `sink.findings_topic`): one `tracejudge.finding` event per
+example trace, on that trace with no span id (`consumer/sinks/otlp_findings.py` has the attributes).
+
 Export: the OpenTelemetry SDK's log record and span data types, encoded and sent by its OTLP/HTTP
 exporters (`OTLPLogExporter`, `OTLPSpanExporter`), whose HTTP client retries 429, 502, 503, 504 and
 connection errors with exponential backoff and `Retry-After` for up to `timeout_s`. `write` hands each
@@ -111,6 +119,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import Field, field_validator
 
 from tracejudge.consumer.sinks.base import RetryLater, Sink, SinkBatch, SinkRecord, SinkSection, WriteReport
+from tracejudge.consumer.sinks.otlp_findings import FINDING_EVENT, finding_events
 from tracejudge.metrics.judges.secrets import SECRET, redact_url, url_problem
 from tracejudge.metrics.telemetry.sinks import SinkWriteMetrics
 from tracejudge.schemas.errors import ConfigError
@@ -162,6 +171,9 @@ class OtlpSinkSettings(SinkSection):
     headers: Annotated[Mapping[str, str], SECRET] = Field(default_factory=dict, repr=False)
     headers_env: str | None = DEFAULT_HEADERS_ENV
     emit_spans: bool = False
+    # The evaluator provenance attributes (`gen_ai.evaluation.evaluator.id` / `.version` / `.type`) of a
+    # GenAI conventions proposal not yet accepted (open-telemetry/semantic-conventions-genai#359).
+    evaluator_attributes: bool = False
     timeout_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
     compression: str = "gzip"
 
@@ -292,6 +304,7 @@ class _Verdict:
     span_id: int | None  # the evaluated span (or the root); None: the trace alone
     evaluation_id: str
     attributes: dict[str, Any]
+    event_name: str = EVENT_NAME  # FINDING_EVENT for a finding (`otlp_findings`): no span is sent
 
 
 class OtlpSink(Sink):
@@ -300,6 +313,7 @@ class OtlpSink(Sink):
 
     kind: ClassVar[str] = "otlp"
     accepts_sessions: ClassVar[bool] = True
+    accepts_findings: ClassVar[bool] = True
 
     def __init__(self, settings: OtlpSinkSettings, registry: CollectorRegistry | None = None, *,
                  clock: Callable[[], int] = time.time_ns) -> None:
@@ -344,6 +358,10 @@ class OtlpSink(Sink):
     def _write(self, batch: SinkBatch) -> WriteReport:
         report = WriteReport()
         verdicts = list(self._verdicts(batch, report))
+        if self.settings.evaluator_attributes:
+            for v in verdicts:
+                if v.event_name == EVENT_NAME:
+                    v.attributes.update(evaluator_attributes(v.assessment))
         now = self._clock()
 
         pending = [v for v in verdicts if not self._done.get(v.key, 0) & _LOGS]
@@ -353,7 +371,8 @@ class OtlpSink(Sink):
                 self._retry_later("logs_export_failed", self.settings.logs_url, len(chunk))
             self._mark(chunk, _LOGS)
         if self._spans is not None:
-            pending = [v for v in verdicts if not self._done.get(v.key, 0) & _SPANS]
+            pending = [v for v in verdicts if not self._done.get(v.key, 0) & _SPANS
+                       and v.event_name == EVENT_NAME]
             for chunk in _chunks(pending):
                 spans = [self._span(v, now) for v in chunk]
                 if self._spans.export(spans) is not SpanExportResult.SUCCESS:
@@ -379,6 +398,16 @@ class OtlpSink(Sink):
         for record in batch.records:
             if record.session is not None:
                 yield from self._session_verdicts(record, record.session, report)
+                continue
+            if record.kind == "finding":
+                events, skipped = finding_events(record)
+                if skipped:
+                    report.skip("no_trace_id", skipped)
+                for index, trace_id, attrs in events:
+                    yield _Verdict(key=(record.topic, record.partition, record.offset, index), record=record,
+                                   assessment={}, trace_id=trace_id or 0, span_id=None,
+                                   evaluation_id=attrs["tracejudge.finding.id"], attributes=attrs,
+                                   event_name=FINDING_EVENT)
                 continue
             result = record.result
             trace_hex = _hex_id(result.get("trace_id"), _HEX32)
@@ -437,10 +466,11 @@ class OtlpSink(Sink):
         error = v.assessment.get("error") is not None
         parent = NonRecordingSpan(SpanContext(v.trace_id, v.span_id or 0, is_remote=True,
                                               trace_flags=_SAMPLED))
+        context = set_span_in_context(parent, Context()) if v.trace_id else Context()
         record = LogRecord(
-            timestamp=now, observed_timestamp=now, context=set_span_in_context(parent, Context()),
+            timestamp=now, observed_timestamp=now, context=context,
             severity_number=SeverityNumber.WARN if error else SeverityNumber.INFO,
-            severity_text="WARN" if error else "INFO", attributes=v.attributes, event_name=EVENT_NAME)
+            severity_text="WARN" if error else "INFO", attributes=v.attributes, event_name=v.event_name)
         return ReadableLogRecord(log_record=record, resource=self._resource, instrumentation_scope=_SCOPE)
 
     def _span(self, v: _Verdict, now: int) -> ReadableSpan:
@@ -522,6 +552,19 @@ def _attributes(record: SinkRecord, a: Mapping[str, Any], target: str, evaluatio
     attrs["tracejudge.result.topic"] = record.topic
     attrs["tracejudge.result.partition"] = record.partition
     attrs["tracejudge.result.offset"] = record.offset
+    return attrs
+
+
+def evaluator_attributes(a: Mapping[str, Any]) -> dict[str, Any]:
+    """The proposed provenance attributes of one verdict: the judge's name as the evaluator's id, its
+    version (`judge.version`, the fingerprint of its configuration) and its type, the kind of the
+    assessment's `source` (`llm`, `heuristic`, `embedding`, `human`, …: what precedes a `:`)."""
+    attrs: dict[str, Any] = {"gen_ai.evaluation.evaluator.id": a["name"]}
+    judge = a.get("judge") if isinstance(a.get("judge"), Mapping) else {}
+    _put_str(attrs, "gen_ai.evaluation.evaluator.version", judge.get("version"))
+    source = a.get("source")
+    if isinstance(source, str) and source:
+        _put_str(attrs, "gen_ai.evaluation.evaluator.type", source.partition(":")[0])
     return attrs
 
 

@@ -82,7 +82,7 @@ class AssembledTrace:
 
 class _OpenTrace:
     __slots__ = ("app", "events", "first_at", "has_root", "last_at", "service", "source_format", "spans",
-                 "tickets", "trace_id")
+                 "tickets", "trace_id", "versions")
 
     def __init__(self, trace_id: str, source_format: str, now: float) -> None:
         self.trace_id = trace_id
@@ -94,6 +94,9 @@ class _OpenTrace:
         self.has_root = False
         self.app: str | None = None  # service.name of the root span's resource
         self.service: str | None = None  # first service seen: the app while the root is missing
+        # service.name -> the first service.version its resources (spans or content logs) state: the
+        # app's version is its service's, never another service's.
+        self.versions: dict[str | None, str] = {}
         self.first_at = now
         self.last_at = now
 
@@ -104,10 +107,11 @@ class TraceAssembler:
     def __init__(self, settings: AssemblySettings | None = None, *,
                  clock: Callable[[], float] = time.monotonic,
                  metrics: AssemblyMetrics | None = None, app_tag: str | None = None,
-                 session_tag: str | None = None) -> None:
+                 session_tag: str | None = None, version_tag: str | None = None) -> None:
         self.settings = settings or AssemblySettings()
         self.app_tag = app_tag
         self.session_tag = session_tag
+        self.version_tag = version_tag
         self._clock = clock
         self._metrics = metrics
         # Insertion order = first arrival: the front is the oldest (max-wait and eviction order).
@@ -155,6 +159,8 @@ class TraceAssembler:
             entry.last_at = now
             if entry.service is None:
                 entry.service = group.service
+            if group.version is not None and group.service not in entry.versions:
+                entry.versions[group.service] = group.version
             if not entry.has_root and any(s.parent_id is None or REMOTE_PARENT_KEY in s.attributes
                                           for s in spans):
                 entry.has_root = True
@@ -249,9 +255,11 @@ class TraceAssembler:
         if entry.events:
             span_ids = {s.span_id for s in entry.spans}
             self._count_unplaced(sum(1 for e in entry.events if e.span_id not in span_ids))
+        service = entry.app if entry.has_root else entry.service
         trace = otlp.build_trace(trace_id, entry.spans, source_format=entry.source_format,
-                                 app=entry.app if entry.has_root else entry.service, complete=complete,
-                                 app_tag=self.app_tag, events=entry.events, session_tag=self.session_tag)
+                                 app=service, complete=complete,
+                                 app_tag=self.app_tag, events=entry.events, session_tag=self.session_tag,
+                                 version=entry.versions.get(service), version_tag=self.version_tag)
         if self._metrics is not None:
             self._metrics.emitted.labels(reason).inc()
         return AssembledTrace(trace, reason, entry.tickets)
@@ -308,9 +316,9 @@ class OtlpLineAssembler:
 
     def __init__(self, settings: AssemblySettings | None = None,
                  metrics: AssemblyMetrics | None = None, app_tag: str | None = None,
-                 session_tag: str | None = None) -> None:
+                 session_tag: str | None = None, version_tag: str | None = None) -> None:
         self._assembler = TraceAssembler(settings, clock=lambda: 0.0, metrics=metrics, app_tag=app_tag,
-                                         session_tag=session_tag)
+                                         session_tag=session_tag, version_tag=version_tag)
 
     def feed(self, payload: bytes | str | dict[str, Any], line: int) -> list[FileTrace]:
         """One line: an OTLP/JSON trace request, or a logs request whose content events belong to

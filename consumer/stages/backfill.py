@@ -55,6 +55,7 @@ from kafka.structs import TopicPartition
 
 from tracejudge.consumer.config import Settings
 from tracejudge.consumer.pipeline import build_pipeline
+from tracejudge.consumer.runtime.fleet_spend import start_fleet_spend
 from tracejudge.consumer.runtime.offsets import Exports, OffsetTracker, Releasable
 from tracejudge.consumer.runtime.producer import Outputs, Producing
 from tracejudge.consumer.runtime.producing import DeadLetterSink, Publisher, ResultSink
@@ -287,9 +288,11 @@ class BackfillRun:
                     producing.open()
                 except StartupError as exc:
                     raise BackfillError(str(exc)) from exc
+                fleet = start_fleet_spend(s)  # fleet-wide spend caps (judges.fleet_spend)
                 try:
                     self._run(consumer, producing, exporter)
                 finally:
+                    fleet.close()
                     producing.close()
             finally:
                 consumer.close(autocommit=False)
@@ -327,7 +330,7 @@ class BackfillRun:
             from tracejudge.consumer.stages.assembly import TraceAssembler
 
             assembler = TraceAssembler(s.otlp.assembly.to_settings(), app_tag=s.stream.app_tag,
-                                       session_tag=s.stream.session_tag)
+                                       session_tag=s.stream.session_tag, version_tag=s.stream.version_tag)
         tracker = OffsetTracker()
         exports = Exports()
         processor = RecordProcessor(build_pipeline(s), tracker, exporter, results, rejects, formats,

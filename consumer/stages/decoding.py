@@ -121,7 +121,8 @@ def decode_one(pipeline: Pipeline, value: bytes, fmt: str | None) -> Decoded:
         return Decoded(failed_at=DECODE, reason=PROCESSING_ERROR, message=exception_text(exc),
                        traceback=traceback.format_exc(), seconds=time.perf_counter() - started)
     try:
-        result = pipeline.evaluate(record, SourceRef(format=record.source_format))
+        # The app norms' state is the consumer process's: `RecordProcessor` applies them on return.
+        result = pipeline.evaluate(record, SourceRef(format=record.source_format), norms=False)
     except Exception as exc:
         return Decoded(source_format=record.source_format, failed_at=EVALUATE, reason=PROCESSING_ERROR,
                        message=exception_text(exc), traceback=traceback.format_exc(),

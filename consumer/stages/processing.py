@@ -106,6 +106,8 @@ class RecordProcessor:
         self.decoder.bind(pipeline, self.finish_decoded, self._observe)
         # `TrustMetrics`: human labels that came with a record compared with its verdicts.
         self.trust: Any = None
+        # `ExternalEvaluations` (metrics/telemetry/external.py): other evaluators' verdicts on logs topics.
+        self.external: Any = None
         self._routes = {topic: self._route(fmt) for topic, fmt in formats.items()}
         self._default = self._route("auto")
 
@@ -175,7 +177,20 @@ class RecordProcessor:
 
     def _assemble_logs(self, record: Any, source: SourceRef, ticket: Ticket, started: float) -> None:
         events = otlp_logs.decode(record.value, source.format)
+        if self.external is not None:
+            self._take_evaluations(record, source, ticket)
         self._assemble(events, otlp_logs.ENCODING[source.format], source, ticket, started)
+
+    def _take_evaluations(self, record: Any, source: SourceRef, ticket: Ticket) -> None:
+        """Export the record's `gen_ai.evaluation.result` events of other evaluators; a record with one
+        that cannot be read is also dead-lettered (its bytes, reason `invalid_evaluation_event`), while
+        its other events and content go on as usual."""
+        invalid = self.external.take(record.value, source.format).invalid
+        if invalid:
+            first = invalid[0]
+            more = f" ({len(invalid) - 1} more invalid evaluation events)" if len(invalid) > 1 else ""
+            self._dead_letter(source, errors.INVALID_EVALUATION_EVENT, f"{first.where}: {first.detail}{more}",
+                              self.exports.start(ticket.acquire()), record=record, count=False)
 
     def _assemble(self, parts: Any, used: str, source: SourceRef, ticket: Ticket, started: float) -> None:
         with self._handed_on(source, started):
@@ -207,6 +222,7 @@ class RecordProcessor:
         result = decoded.result
         if result is not None:
             result.source = source  # the decoder knew the payload only, not where it came from
+            self.pipeline.apply_norms(result)
             self._judge_and_finish(result, export, True)
             return
         where = f"{source.topic}[{source.partition}]@{source.offset}"

@@ -36,9 +36,11 @@ from typing import Any
 
 from kafka.structs import TopicPartition
 
+from tracejudge.consumer.collecting import Collector, open_files, run_hook, uses_findings
 from tracejudge.consumer.config import ConfigError, Settings
 from tracejudge.consumer.pipeline import Pipeline, build_judges, build_pipeline
 from tracejudge.consumer.runtime import gc_policy
+from tracejudge.consumer.runtime.findings_feed import FindingsFeed
 from tracejudge.consumer.runtime.logs import configure_logging, suppress_logged
 from tracejudge.consumer.runtime.loop import ConsumerRuntime
 from tracejudge.consumer.runtime.offsets import Exports
@@ -87,6 +89,11 @@ class EvaluationStage(Stage):
         self._process: Callable[[TopicPartition, Any], None] | None = None
         self.canaries = _build_canaries(judges)
         self.trust: Any = None
+        # `collections:` rules (`consumer/collecting.py`): an extra output of the results publisher.
+        self.collector = Collector.build(settings.collections, exporter.registry)
+        self._collection_files: dict[str, Any] = {}
+        self.findings_feed = _findings_feed(settings, self.collector)
+        self.external = _external_evaluations(settings, exporter, judges)
 
     # -- start-up -------------------------------------------------------------------------------------
 
@@ -99,10 +106,19 @@ class EvaluationStage(Stage):
 
     def outputs(self) -> Outputs:
         s = self.settings.stream
+        if self.collector is not None:
+            make, self._collection_files = run_hook(self.collector, s.results_topic, self.exporter)
+            return Outputs(metrics=self.exporter, results_topic=s.results_topic,
+                           dead_letter_topic=s.dead_letter_topic, make_results=make,
+                           extra_topics=self.collector.topics)
         return Outputs(metrics=self.exporter, results_topic=s.results_topic,
                        dead_letter_topic=s.dead_letter_topic)
 
     def prepare(self, runtime: Runtime) -> None:
+        if self.collector is not None:
+            open_files(self.collector, self._collection_files)
+            if self.findings_feed is not None:
+                self.collector.findings = self.findings_feed.start()
         if self.decode_workers:
             self.decoder = self._start_decoder(self.decode_workers)
         else:
@@ -131,7 +147,7 @@ class EvaluationStage(Stage):
             from tracejudge.metrics.telemetry.assembly import AssemblyMetrics
 
             assembler = TraceAssembler(s.otlp.assembly.to_settings(), app_tag=s.stream.app_tag,
-                                       session_tag=s.stream.session_tag,
+                                       session_tag=s.stream.session_tag, version_tag=s.stream.version_tag,
                                        metrics=AssemblyMetrics(registry=self.exporter.registry))
         self.processor = RecordProcessor(self.pipeline, runtime.tracker, self.exporter, results, dead_letters,
                                          formats, max_record_bytes=s.stream.max_record_bytes,
@@ -139,6 +155,7 @@ class EvaluationStage(Stage):
                                          judge=self.judges.submit if self.judges else None,
                                          handlers=self.handlers, decoder=self.decoder)
         self.processor.trust = self.trust
+        self.processor.external = self.external
         self._process = self.processor.process
 
     def started(self) -> None:
@@ -205,6 +222,11 @@ class EvaluationStage(Stage):
             with suppress_logged(log, "stopping the decode workers"):
                 self.decoder.close()
             self.decoder = None
+        for f in self._collection_files.values():
+            with suppress_logged(log, "closing a collection file"):
+                f.close()
+        if self.findings_feed is not None:
+            self.findings_feed.close()
 
 
 class StreamRunner(ConsumerRuntime):
@@ -228,9 +250,12 @@ class StreamRunner(ConsumerRuntime):
         self.pipeline = pipeline or build_pipeline(settings)
         ratio = getattr(getattr(self.pipeline, "metrics", None), "ratio_metrics", RATIO_METRICS)
         self.exporter = exporter or PrometheusExporter(max_apps=settings.prometheus.max_apps,
-                                                       ratio_metrics=ratio)
+                                                       ratio_metrics=ratio,
+                                                       max_versions=settings.prometheus.max_versions)
+        # The cheap signals' state per app, served at each scrape.
+        self.exporter.signals.watch(getattr(getattr(self.pipeline, "metrics", None), "norms", None))
         self.judges = None if judges is False else judges or build_judges(
-            settings, self.exporter.registry, self.exporter.apps)
+            settings, self.exporter.registry, self.exporter.apps, self.exporter.versions)
         stage = EvaluationStage(settings, self.pipeline, self.exporter, self.judges, self.handlers, workers,
                                 why, tune_gc=tune_gc)
         stage.trust = self.trust = _trust(self.judges, self.exporter)
@@ -258,6 +283,19 @@ class StreamRunner(ConsumerRuntime):
         return stage.processor
 
 
+def _findings_feed(settings: Settings, collector: Collector | None) -> FindingsFeed | None:
+    """The reader of `findings.findings_topic` when a collection rule has a `finding:` condition;
+    `ConfigError` when there is no findings topic to read."""
+    if collector is None or not any(uses_findings(r) for r in collector.rules):
+        return None
+    topic = getattr(settings.findings, "findings_topic", None)
+    if topic is None:
+        raise ConfigError("findings.findings_topic", "a collection rule has a finding: condition, and "
+                          "tracejudge run reads the current findings from this topic (the one `tracejudge "
+                          "findings run` publishes to); set it")
+    return FindingsFeed(settings, topic)
+
+
 def _trust(judges: Any, exporter: PrometheusExporter) -> Any:
     """The judges' trust series (`metrics/telemetry/trust.py`): calibration from `judges.calibration_file`,
     agreement with the labels records carry. ConfigError when the calibration file cannot be read."""
@@ -270,6 +308,19 @@ def _trust(judges: Any, exporter: PrometheusExporter) -> Any:
         return trust_for_run(judges, exporter.registry, exporter.apps)
     except CalibrationError as exc:
         raise ConfigError([("judges.calibration_file", str(exc))]) from None
+
+
+def _external_evaluations(settings: Settings, exporter: PrometheusExporter, judges: Any) -> Any:
+    """Other evaluators' verdicts (`stream.external_evaluations`, metrics/telemetry/external.py), when a
+    logs topic is consumed and they are enabled; else None."""
+    ext = settings.stream.external_evaluations
+    if not ext.enabled or not any(t.format in ("otlp_logs_proto", "otlp_logs_json")
+                                  for t in settings.stream.topics):
+        return None
+    from tracejudge.metrics.telemetry.external import for_run
+
+    return for_run(exporter, judges, thresholds=ext.thresholds, max_evaluators=ext.max_evaluators,
+                   max_names=ext.max_names, app_tag=settings.stream.app_tag)
 
 
 def _build_canaries(judges: Any) -> Any:

@@ -11,9 +11,21 @@ side by side and each fails and lags on its own:
                                 ▼
             per-partition batch ──checkpoint──▶ Sink.write(batch) ──returns──▶ tickets released ──▶ commit
             (sink.max_batch_records, or            │
-             sink.checkpoint_interval_ms)          └─ RetryLater(after_s): the partition is paused and
-                                                      the same batch offered again after a capped
-                                                      exponential back-off; nothing past it committed
+             sink.checkpoint_interval_ms)          ├─ RetryLater(after_s): the partition is paused and
+                    ▲                                  │  the same batch offered again after a capped
+                    │                                  │  exponential back-off; nothing past it committed
+                    │                                  └─ report.defer(record, after_s): the other records
+                    └── due: offered again, on its own ◀── are done; the deferred one is parked (ticket
+                                                           kept: no commit past it), the partition flows
+
+Parked results (`consumer/stages/parking.py`): a sink defers a record it cannot write yet (the MLflow
+sink: its trace has not reached the server) rather than holding the partition. The record waits in a
+bounded set (`sink.max_parked_records` over all partitions) with its ticket unreleased, so the partition
+is committed only up to its lowest parked record, and is offered again in a batch of its own when due;
+the sink chooses each wait (a growing back-off) and gives up in the end (a skip, counted). When the set
+is full the records that do not fit are held the old way: the partition paused, the batch of them
+offered again after a back-off (`tracejudge_sink_park_full_total`). Series: `tracejudge_sink_parked_records`,
+`tracejudge_sink_parked_total`, `tracejudge_sink_parked_retries_total`, `tracejudge_sink_given_up_total`.
 
 Session results: when a session results topic is configured (`sink.session_results_topic`, default
 `sessions.results_topic`; `sink.write_sessions: false` turns it off) and the sink handles sessions
@@ -21,6 +33,11 @@ Session results: when a session results topic is configured (`sink.session_resul
 group: a `"kind": "session"` line is decoded into a `schemas.session.SessionResult` (`SinkRecord.session`)
 and batched, written and committed like any result. A session line met by a sink that does not handle
 sessions (a session topic shared with the results topic) is skipped, counted (`session_unsupported`).
+
+Findings: likewise the findings topic (`sink.findings_topic`, default `findings.findings_topic`;
+`sink.write_findings: false` turns it off) for a sink with `Sink.accepts_findings` (`mlflow`, `otlp`):
+each line is checked by `consumer/sinks/findings.decode_finding` (a bad one is dead-lettered, reason
+`invalid_json` or `not_a_finding`) and batched, written, parked and committed like any result.
 
 A sink is one small class (`consumer/sinks/base.py`): `write(batch) -> WriteReport`. Built-in
 kinds are `mlflow` and `otlp`; `sink.plugins: {kind: "package.module:Class"}` adds more. The sink's
@@ -61,8 +78,11 @@ from tracejudge.consumer.runtime.producer import Outputs
 from tracejudge.consumer.runtime.producing import RateLimitedLog
 from tracejudge.consumer.runtime.stage import NO_LIMIT, Runtime, Stage
 from tracejudge.consumer.sinks.base import RetryLater, Sink, SinkBatch, SinkRecord, WriteReport
+from tracejudge.consumer.sinks.findings import FINDING_FORMAT, decode_finding
+from tracejudge.consumer.stages.parking import Parked, ParkedSet
 from tracejudge.metrics.plugins import load_plugin
 from tracejudge.metrics.telemetry.sinks import SinkMetrics
+from tracejudge.schemas.result import SourceRef
 from tracejudge.schemas.results_line import RESULT_FORMAT, BadResult, decode_line
 
 __all__ = ["SinkPlan", "SinkRunner", "SinkStage", "build_sink", "load_sink_class",
@@ -120,10 +140,14 @@ class SinkStage(Stage):
         # The exception that stopped the sink (a write that raised something other than RetryLater).
         self.failure: BaseException | None = None
         self._parts: dict[TopicPartition, _Partition] = {}
+        # Records the sink deferred, waiting to be offered again (bounded over every partition).
+        self.parked = ParkedSet(getattr(settings.sink, "max_parked_records", 10_000))
         self._log = RateLimitedLog(log)
         # Session results are offered only to a sink that handles them (`Sink.accepts_sessions`).
         self.sessions = bool(getattr(sink, "accepts_sessions", False))
         self.session_topic = plan.session_results_topic if self.sessions else None
+        # Finding lines likewise, only to a sink that handles them (`Sink.accepts_findings`).
+        self.findings_topic = plan.findings_topic if getattr(sink, "accepts_findings", False) else None
 
     # -- start-up -------------------------------------------------------------------------------------
 
@@ -131,12 +155,16 @@ class SinkStage(Stage):
         topics = [self.plan.results_topic]
         if self.session_topic and self.session_topic not in topics:
             topics.append(self.session_topic)
+        if self.findings_topic and self.findings_topic not in topics:
+            topics.append(self.findings_topic)
         return topics
 
     def subscription(self) -> str:
-        if self.session_topic and self.session_topic != self.plan.results_topic:
-            return (f"{self.plan.results_topic} (results) and {self.session_topic} (session results), for "
-                    f"the {self.kind} sink")
+        extra = "".join(f" and {topic} ({what})" for topic, what in (
+            (self.session_topic, "session results"), (self.findings_topic, "findings"))
+            if topic and topic != self.plan.results_topic)
+        if extra:
+            return f"{self.plan.results_topic} (results){extra}, for the {self.kind} sink"
         return f"{self.plan.results_topic} (results, for the {self.kind} sink)"
 
     def prepare(self, runtime: ConsumerRuntime) -> None:
@@ -164,10 +192,14 @@ class SinkStage(Stage):
         now = time.monotonic()
         for record in records:
             ticket = track(tp, record.offset)
+            finding = record.topic == self.findings_topic
             try:
-                result, session = decode_line(record.value)
+                result, session = (decode_finding(record.value), None) if finding \
+                    else decode_line(record.value)
             except BadResult as exc:
-                self.runtime.producing.dead_letter(record, exc.reason, exc.message, ticket)
+                source = SourceRef(format=FINDING_FORMAT, topic=record.topic, partition=record.partition,
+                                   offset=record.offset) if finding else None
+                self.runtime.producing.dead_letter(record, exc.reason, exc.message, ticket, source=source)
                 continue
             if session is not None and not self.sessions:
                 self._unsupported_session(ticket)
@@ -200,7 +232,7 @@ class SinkStage(Stage):
         if in_flight == 0:
             return NO_LIMIT
         held = sum(p.unwritten() for p in self._parts.values() if p.attempts)
-        return self.max_in_flight - (in_flight - held)
+        return self.max_in_flight - (in_flight - held - len(self.parked))
 
     def held(self) -> Collection[TopicPartition]:
         return [p.tp for p in self._parts.values() if p.attempts]
@@ -215,9 +247,16 @@ class SinkStage(Stage):
             else:
                 continue
             hint = due if hint is None else min(hint, due)
+        if (parked_due := self.parked.next_due()) is not None:
+            hint = parked_due - now if hint is None else min(hint, parked_due - now)
         return None if hint is None else max(0.0, hint)
 
     def _checkpoints(self, now: float) -> None:
+        parked_due = self.parked.next_due()
+        if parked_due is not None and parked_due <= now:
+            for tp in self.parked.partitions():
+                if tp in self._parts:
+                    self._offer_parked(self._parts[tp], self.parked.take_due(tp, now, self.max_batch))
         for part in list(self._parts.values()):
             if part.attempts:
                 if now >= part.due and not self._offer(part):
@@ -237,15 +276,12 @@ class SinkStage(Stage):
         part.batch = SinkBatch(part.tp.topic, part.tp.partition, records)
         part.batch_tickets = tickets
 
-    def _offer(self, part: _Partition) -> bool:
-        """Write the partition's batch; True when written (its tickets released)."""
-        batch = part.batch
-        assert batch is not None
+    def _write(self, batch: SinkBatch) -> WriteReport:
+        """`Sink.write`; `RetryLater` passes through, anything else stops the sink (logged, kept)."""
         try:
             report = self.sink.write(batch)
-        except RetryLater as exc:
-            self._hold(part, exc)
-            return False
+        except RetryLater:
+            raise
         except BaseException as exc:
             self.failure = exc
             first, last = batch.records[0].offset, batch.records[-1].offset
@@ -253,26 +289,105 @@ class SinkStage(Stage):
                       "it is committed", self.kind, batch.topic, batch.partition, first, last,
                       type(exc).__name__, exc, exc_info=exc)
             raise
-        if part.attempts:
-            log.info("%s[%d]: the %s sink wrote the held batch after %d retries (%s); fetching it again",
-                     batch.topic, batch.partition, self.kind, part.attempts, part.reason)
+        return report if isinstance(report, WriteReport) else WriteReport()
+
+    def _offer(self, part: _Partition) -> bool:
+        """Write the partition's batch; True when written (its tickets released, what the sink deferred
+        parked); False when the partition holds (the sink asked to retry, or the parked set is full)."""
+        batch = part.batch
+        assert batch is not None
+        try:
+            report = self._write(batch)
+        except RetryLater as exc:
+            self._hold(part, exc)
+            return False
+        attempts, reason = part.attempts, part.reason
         part.batch, part.attempts, part.reason = None, 0, ""
         tickets, part.batch_tickets = part.batch_tickets, []
-        for ticket in tickets:
-            ticket.release()
-        self.metrics.written(report if isinstance(report, WriteReport) else WriteReport())
-        assert self.runtime is not None
-        self.runtime.request_commit()
+        self._settle(part, [(r, t, None) for r, t in zip(batch.records, tickets, strict=True)], report,
+                     attempts)
+        if part.batch is not None:
+            return False  # held again: the parked set is still full
+        if attempts:
+            log.info("%s[%d]: the %s sink wrote the held batch after %d retries (%s); fetching it again",
+                     batch.topic, batch.partition, self.kind, attempts, reason)
         return True
 
-    def _hold(self, part: _Partition, exc: RetryLater) -> None:
+    def _offer_parked(self, part: _Partition, items: list[Parked]) -> None:
+        """Offer parked records again, in a batch of their own. Whatever the sink defers again is parked
+        again (their places were just freed); a `RetryLater` parks them all again after its wait."""
+        if not items:
+            return
+        self.metrics.parked_retried(len(items))
+        batch = SinkBatch(part.tp.topic, part.tp.partition, [p.record for p in items])
+        try:
+            report = self._write(batch)
+        except RetryLater as exc:
+            self.metrics.retried(exc.reason)
+            now = time.monotonic()
+            for p in items:
+                p.offers += 1
+                wait = max(float(exc.after_s), 0.05) * 2 ** min(p.offers - 1, 20)
+                p.due = now + min(self.max_backoff, wait)
+                self.parked.park(part.tp, p)
+            self.metrics.set_parked(len(self.parked))
+            return
+        self._settle(part, [(p.record, p.ticket, p) for p in items], report)
+
+    def _settle(self, part: _Partition, done: list[tuple[SinkRecord, Ticket, Parked | None]],
+                report: WriteReport, attempts: int = 0) -> None:
+        """After a write returned: release the tickets of the records it finished, park the deferred
+        ones (a parked record taken out for this offer always fits again), hold the partition with
+        those that do not fit (`attempts`: how often the batch was held already), count, and ask for a
+        commit."""
+        now = time.monotonic()
+        overflow: list[tuple[SinkRecord, Ticket]] = []
+        first_parked = 0
+        for record, ticket, was in done:
+            deferral = report.deferred.get(record.offset)
+            if deferral is None:
+                ticket.release()
+            elif was is not None:
+                was.offers += 1
+                was.due, was.reason = now + deferral.after_s, deferral.reason
+                self.parked.park(part.tp, was)
+            elif self.parked.room() > 0:
+                item = Parked(record, ticket, now + deferral.after_s, deferral.reason, now)
+                self.parked.park(part.tp, item)
+                first_parked += 1
+            else:
+                overflow.append((record, ticket))
+        self.metrics.written(report)
+        self.metrics.parked_now(first_parked, len(self.parked), report.given_up)
+        if overflow:
+            self._hold_overflow(part, overflow, report, attempts)
+        assert self.runtime is not None
+        self.runtime.request_commit()
+
+    def _hold_overflow(self, part: _Partition, overflow: list[tuple[SinkRecord, Ticket]],
+                       report: WriteReport, attempts: int) -> None:
+        """The parked set is full: hold the partition with the deferred records that did not fit, as
+        for `RetryLater` (offered again after the back-off, growing per hold; the partition paused)."""
+        assert part.batch is None  # only a fresh batch's records are new to the parked set
+        self.metrics.park_full(len(overflow))
+        first = report.deferred[overflow[0][0].offset]
+        part.batch = SinkBatch(part.tp.topic, part.tp.partition, [r for r, _ in overflow])
+        part.batch_tickets = [t for _, t in overflow]
+        part.attempts = attempts
+        self._log.warning("parked set full", "the %s sink's parked set is full (sink.max_parked_records = "
+                          "%d); holding %s[%d] with %d deferred results instead", self.kind,
+                          self.parked.limit, part.tp.topic, part.tp.partition, len(overflow))
+        self._hold(part, RetryLater(first.reason, after_s=first.after_s), counted=False)
+
+    def _hold(self, part: _Partition, exc: RetryLater, *, counted: bool = True) -> None:
         part.attempts += 1
         part.reason = exc.reason
         after = max(0.0, float(exc.after_s))
         backoff = min(self.max_backoff, max(after, 0.05) * 2 ** min(part.attempts - 1, 20))
         delay = max(after, backoff)
         part.due = time.monotonic() + delay
-        self.metrics.retried(exc.reason)
+        if counted:
+            self.metrics.retried(exc.reason)
         assert part.batch is not None
         self._log.warning(f"retry {exc.reason}", "%s[%d]: the %s sink cannot write %d results now (%s); "
                           "partition paused, offering the batch again in %.1f s (attempt %d), nothing "
@@ -281,7 +396,7 @@ class SinkStage(Stage):
                           part.batch.records[0].offset)
 
     def busy(self) -> int:
-        return sum(p.unwritten() for p in self._parts.values())
+        return sum(p.unwritten() for p in self._parts.values()) + len(self.parked)
 
     # -- rebalance (IO thread) ------------------------------------------------------------------------
 
@@ -300,18 +415,21 @@ class SinkStage(Stage):
             part = self._parts.pop(tp, None)
             if part is not None:
                 dropped += part.unwritten()
+            dropped += self.parked.drop(tp)
+        self.metrics.set_parked(len(self.parked))
         return dropped
 
     # -- shutdown -------------------------------------------------------------------------------------
 
     def drain(self, deadline: float) -> None:
-        """Offer every pending batch once more (a held one too, whatever its back-off) while the grace
-        period lasts; what the sink still cannot write stays uncommitted."""
+        """Offer every pending batch once more (a held one too, whatever its back-off, and the parked
+        records) while the grace period lasts; what the sink still cannot write stays uncommitted."""
         if self.failure is None:
             try:
                 for part in list(self._parts.values()):
                     if time.monotonic() >= deadline:
                         break
+                    self._offer_parked(part, self.parked.take_all(part.tp, self.max_batch))
                     if part.batch is not None and not self._offer(part):
                         continue
                     while part.records and time.monotonic() < deadline:
@@ -342,6 +460,8 @@ class SinkPlan:
     section: dict[str, Any]
     # The session results topic (read too by a sink that handles sessions); None: none configured.
     session_results_topic: str | None = None
+    # The findings topic (read too by a sink that handles findings); None: none configured.
+    findings_topic: str | None = None
 
 
 def plan_sink(settings: Settings, kind: str) -> SinkPlan:
@@ -362,12 +482,17 @@ def plan_sink(settings: Settings, kind: str) -> SinkPlan:
     if session_topic is not None and s.dead_letter_topic == session_topic:
         problems.append(("sink.dead_letter_topic", f"is the session results topic {session_topic!r}; the "
                                                    "sink would read its own dead letters"))
+    findings_topic = _findings_topic(settings)
+    if findings_topic is not None and findings_topic in (topic, session_topic, s.dead_letter_topic):
+        problems.append(("sink.findings_topic", f"{findings_topic!r} is also the results, session results or "
+                                                "dead-letter topic; findings need a topic of their own"))
     if problems:
         raise ConfigError(problems)
     assert topic is not None
     return SinkPlan(kind=kind, spec=kinds.get(kind), results_topic=topic,
                     dead_letter_topic=s.dead_letter_topic, group_id=s.group_id or f"tracejudge-sink-{kind}",
-                    section=s.section(kind), session_results_topic=session_topic)
+                    section=s.section(kind), session_results_topic=session_topic,
+                    findings_topic=findings_topic)
 
 
 def _session_topic(settings: Settings) -> str | None:
@@ -379,12 +504,21 @@ def _session_topic(settings: Settings) -> str | None:
     return getattr(s, "session_results_topic", None) or getattr(sessions, "results_topic", None)
 
 
+def _findings_topic(settings: Settings) -> str | None:
+    """`sink.findings_topic`, else `findings.findings_topic`; None with `sink.write_findings: false`."""
+    s = settings.sink
+    if not getattr(s, "write_findings", True):
+        return None
+    findings = getattr(settings, "findings", None)
+    return getattr(s, "findings_topic", None) or getattr(findings, "findings_topic", None)
+
+
 def load_sink_class(plan: SinkPlan, settings: Settings | None = None) -> type[Sink]:
     """Import the sink's class, only now: a sink whose module is missing breaks only that kind."""
     plugin = settings is not None and plan.kind in settings.sink.plugins
     where = f"sink.plugins.{plan.kind}" if plugin else "KIND"
     if plan.spec is None:
-        known = ", ".join(sorted(settings.sink.kinds() if settings else ("mlflow", "otlp")))
+        known = ", ".join(sorted(settings.sink.kinds() if settings else ("mlflow", "otlp", "phoenix")))
         raise ConfigError([(where, f"unknown sink {plan.kind!r}; known: {known} (add one with "
                                    f"sink.plugins.{plan.kind}: 'package.module:Class')")])
     try:  # the one plug-in loader (tracejudge.metrics.plugins)
@@ -466,14 +600,15 @@ class SinkRunner(ConsumerRuntime):
 
 
 # The settings a sink uses (the start-up summary and --check-config show only these).
-_SINK_STREAM_KEYS = ("sessions.results_topic", "stream.poll_timeout_ms", "stream.commit_interval_ms",
+_SINK_STREAM_KEYS = ("sessions.results_topic", "findings.findings_topic", "stream.poll_timeout_ms",
+                     "stream.commit_interval_ms",
                      "stream.shutdown_grace_seconds", "stream.lag_interval_seconds", "stream.max_in_flight")
 
 
 def shown_for(settings: Settings, kind: str) -> Any:
     """Whether `--check-config` and the start-up summary show a key: the keys the `kind` sink reads."""
     others = tuple(f"sink.{k}." for k in settings.sink.kinds() if k != kind) + tuple(
-        f"sink.{k}" for k in ("mlflow", "otlp") if k != kind)
+        f"sink.{k}" for k in ("mlflow", "otlp", "phoenix") if k != kind)
 
     def show(key: str) -> bool:
         if key.startswith(("sink.", "http.", "logging.", "producer.")):

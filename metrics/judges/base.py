@@ -558,8 +558,12 @@ class Judge:
         passed: bool | None,
         rationale: str | None,
         span_id: str | None = None,
+        threshold: float | None = None,
     ) -> Assessment:
-        """A verdict of this judge; `span_id` only when it judged one span rather than the trace."""
+        """A verdict of this judge; `span_id` only when it judged one span rather than the trace.
+        `threshold`: the one `passed` applied to `score` (score >= threshold), so a reader (the MLflow
+        sink's `threshold` metadata) sees what the verdict was measured against; None for a verdict that
+        applies none (a yes/no answer, a label)."""
         return Assessment(
             name=self.name,
             value=value,
@@ -569,6 +573,7 @@ class Judge:
             source=self.source,
             judge=self.identity,
             span_id=span_id,
+            threshold=threshold if passed is not None else None,
         )
 
     def single_call(self, prompt: str) -> Job:

@@ -351,6 +351,7 @@ class _StatementSupport(Judge):
                 score=score,
                 passed=passed,
                 rationale=rationale[:RATIONALE_MAX],
+                threshold=threshold,
             )
 
         return Job(cost, run)
@@ -421,7 +422,8 @@ class ChunkRelevance(Judge):
             if len(chunks) > len(judged):
                 rationale += f" (first {len(judged)} of {len(chunks)} chunks judged)"
             return self.assessment(
-                value=precision, score=precision, passed=precision >= threshold, rationale=rationale
+                value=precision, score=precision, passed=precision >= threshold, rationale=rationale,
+                threshold=threshold,
             )
 
         return Job(cost, run)
@@ -530,6 +532,7 @@ class Guidelines(Judge):
                 score=score,
                 passed=passed,
                 rationale=rationale[:RATIONALE_MAX],
+                threshold=threshold,
             )
 
         return Job(Cost(1, tokens + OUTPUT_TOKENS_ESTIMATE), run)
@@ -617,7 +620,8 @@ class AnswerRelevancy(Judge):
                 + ("; the response is noncommittal, so 0" if noncommittal else "")
             )
             return self.assessment(
-                value=raw, score=score, passed=score >= threshold, rationale=rationale
+                value=raw, score=score, passed=score >= threshold, rationale=rationale,
+                threshold=threshold,
             )
 
         return Job(Cost(2, tokens + OUTPUT_TOKENS_ESTIMATE + estimate_tokens(request) + 30 * n), run)

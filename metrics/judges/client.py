@@ -529,6 +529,13 @@ class JudgeClient:
         if self._on_refused:
             self._on_refused(self.name, attempt)
 
+    async def post_json(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        """One POST of a body the caller built, with this client's retries, breaker and concurrency
+        bound: the decoded JSON object answered and the requests made, or `JudgeCallError`. For a caller
+        that is not a judge (`tracejudge eval --app-endpoint` calls the user's app with it); error text
+        has the client's secrets masked, the answer is returned as it came."""
+        return await self._post(path, body)
+
     async def chat(
         self,
         messages: Sequence[dict[str, str]],

@@ -51,6 +51,7 @@ from pydantic import (
 )
 
 from tracejudge.metrics.judges.endpoints import EndpointConfig, StrictSection
+from tracejudge.metrics.judges.fleet_spend import FleetSpendConfig
 from tracejudge.schemas.errors import JudgeConfigError
 
 __all__ = [
@@ -390,6 +391,8 @@ class JudgesConfig(StrictSection):
     calibration_file: str | None = None
     # Redaction before egress (tracejudge.metrics.judges.redaction); checked at start by `_redaction_valid`.
     redaction: RedactionConfig = Field(default_factory=RedactionConfig)
+    # Spend caps held across every replica (tracejudge.metrics.judges.fleet_spend); None: per process.
+    fleet_spend: FleetSpendConfig | None = None
     # Set by `for_offline`: not a configuration key (the same file serves the stream and `eval`).
     _offline: bool = PrivateAttr(default=False)
 

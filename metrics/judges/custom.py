@@ -254,5 +254,6 @@ class CustomJudge(Judge):
         v, why = parse_score(text, lo, hi) if self.structured else parse_first_line_score(text, lo, hi)
         value: float | int = int(v) if v.is_integer() else v
         return self.assessment(
-            value=value, score=(v - lo) / (hi - lo), passed=v >= self.pass_threshold, rationale=why
+            value=value, score=(v - lo) / (hi - lo), passed=v >= self.pass_threshold, rationale=why,
+            threshold=(self.pass_threshold - lo) / (hi - lo),  # on the score's [0, 1] scale, as `passed`
         )

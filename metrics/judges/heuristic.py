@@ -139,14 +139,16 @@ class HeuristicGroundedness(HeuristicJudge):
         if not checked:
             raise NotApplicable("the response has no content words or numbers to check")
         score = (checked - len(unsupported)) / checked
-        passed = score >= self.threshold(0.7)
+        threshold = self.threshold(0.7)
+        passed = score >= threshold
         rationale = (
             f"{checked - len(unsupported)}/{checked} statements have their numbers and at least "
             f"{WORD_COVERAGE:.0%} of their content words in a retrieved chunk"
         )
         if unsupported:
             rationale += "; unsupported: " + "; ".join(f"[{i}] {clip_text(s)}" for i, s in unsupported[:5])
-        return self.assessment(value=score, score=score, passed=passed, rationale=rationale)
+        return self.assessment(value=score, score=score, passed=passed, rationale=rationale,
+                               threshold=threshold)
 
 
 def _supported(words: set[str], numbers: set[str], chunk_words: set[str], chunk_numbers: set[str]) -> bool:
@@ -167,12 +169,14 @@ class HeuristicRelevance(HeuristicJudge):
         resp_words, resp_numbers = terms(record.response or "")
         shared = wanted & (resp_words | resp_numbers)
         score = len(shared) / len(wanted)
-        passed = score >= self.threshold(0.4)
+        threshold = self.threshold(0.4)
+        passed = score >= threshold
         missing = _originals(record.request or "", wanted - shared)
         rationale = f"{len(shared)}/{len(wanted)} content words of the request appear in the response"
         if missing:
             rationale += " (missing: " + ", ".join(missing[:8]) + ")"
-        return self.assessment(value=score, score=score, passed=passed, rationale=rationale)
+        return self.assessment(value=score, score=score, passed=passed, rationale=rationale,
+                               threshold=threshold)
 
 
 def _originals(text: str, stems: set[str]) -> list[str]:

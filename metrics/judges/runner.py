@@ -77,6 +77,7 @@ from tracejudge.metrics.judges.registry import BUILTIN_FACTORIES, HEURISTIC_FACT
 from tracejudge.metrics.judges.series import JudgeMetrics
 from tracejudge.metrics.judges.spending import Spending
 from tracejudge.metrics.judges.trust.shadows import compare_shadows, configure_shadows
+from tracejudge.metrics.version_labels import VersionLabelLimiter
 from tracejudge.schemas.record import EvalRecord
 from tracejudge.schemas.result import Assessment, JudgeIdentity
 
@@ -114,15 +115,21 @@ class JudgeRunner:
         app_label: Callable[[str | None], str] | None = None,
         env: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        version_label: VersionLabelLimiter | None = None,
     ):
         self.config = load_judges_config(config)
         if metrics is None:
             metrics = self._new_metrics(registry if registry is not None else CollectorRegistry(), app_label)
         self.metrics = metrics
+        if version_label is not None:
+            # The stream's bound on the verdicts' `version` label; a retired version's series go.
+            metrics.version_label = version_label
+            version_label.on_retire(metrics.retire_version)
         self._clock = clock
         self.clients: dict[str, JudgeClient] = {}
         # Budgets, spend caps and prices per endpoint (tracejudge.metrics.judges.spending).
-        self.spending = Spending(getattr(metrics, "registry", None) or CollectorRegistry(), clock)
+        self.spending = Spending(getattr(metrics, "registry", None) or CollectorRegistry(), clock,
+                                 fleet=self.config.fleet_spend)
         self.budgets = self.spending.budgets
         self.spend_caps = self.spending.spend_caps
         # Redaction before egress: every judge client passes its text through it (None: disabled).
@@ -337,7 +344,8 @@ class JudgeRunner:
 
     def _observe_verdict(self, plan: Plan, cj: Configured, a: Assessment) -> None:
         self.metrics.observe_verdict(
-            plan.app, cj.name, passed=a.passed, score=a.score, trace_id=plan.subject.trace_id
+            plan.app, cj.name, passed=a.passed, score=a.score, trace_id=plan.subject.trace_id,
+            version=self.metrics.version_label(plan.app, plan.subject.version),
         )
 
     async def _run_remote(self, cj: Configured, plan: Plan) -> Assessment:
@@ -352,7 +360,7 @@ class JudgeRunner:
             return self.planner.skip(plan.app, cj, "too_large", str(exc))
         except NotApplicable as exc:
             return self.planner.skip(plan.app, cj, "not_applicable", str(exc))
-        reserved = self.spending.reserve(cj, job.cost)
+        reserved = await self.spending.reserve(cj, job.cost)
         if reserved is None:
             return self.planner.skip(plan.app, cj, "budget")
         ctx = JudgeContext(cj.client, cj.embeddings)
@@ -551,6 +559,7 @@ class JudgeRunner:
             await asyncio.sleep(0.01)
         for client in self.clients.values():
             await client.aclose()
+        self.spending.close()  # its fleet-spend ledger leaves the process's registry
 
     def close(self, drain_seconds: float = 10.0) -> None:
         """Blocking `aclose` for the runner's own loop (submit/judge_sync/judge_many users)."""
@@ -558,6 +567,7 @@ class JudgeRunner:
         with self._lock:
             loop, thread = self._loop, self._thread
         if loop is None or thread is None:
+            self.spending.close()
             return
         asyncio.run_coroutine_threadsafe(self.aclose(drain_seconds), loop).result(timeout=drain_seconds + 30)
         loop.call_soon_threadsafe(loop.stop)

@@ -8,11 +8,13 @@ Prometheus keeps when it scrapes the OpenMetrics format.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tracejudge.metrics.app_labels import default_app_label
+from tracejudge.metrics.version_labels import NO_VERSION, default_version_label
 
 __all__ = ["SKIP_REASONS", "JudgeMetrics"]
 
@@ -58,16 +60,19 @@ def _exemplar(trace_id: str | None) -> dict[str, str] | None:
 
 
 def judge_families(m: object, registry: CollectorRegistry, prefix: str, subject: str,
-                   coverage: tuple[str, ...]) -> None:
+                   coverage: tuple[str, ...], releases: bool = False) -> None:
     """The families every judge runner exports, named `<prefix>_*`, set as attributes of `m`: verdicts,
     score, eligible, sampled, skipped, errors, duration, tokens, requests, retries, circuit_refusals,
     circuit_open, in_flight.
     `subject` is what is judged ("trace", "session"); `coverage` the labels of the eligible, sampled
-    and skipped counters (the trace judges' carry `app`, the session judges' do not)."""
+    and skipped counters (the trace judges' carry `app`, the session judges' do not). With `releases`
+    the verdicts carry the app's `version` too (`tracejudge.metrics.version_labels`)."""
     things = subject + "s"
     f: dict[str, object] = {
-        "verdicts": Counter(f"{prefix}_verdicts", f"Judge verdicts on sampled {things}, by outcome.",
-                            ["app", "judge", "verdict"], registry=registry),
+        "verdicts": Counter(f"{prefix}_verdicts", f"Judge verdicts on sampled {things}, by outcome"
+                            + (" and the app's version (empty: none stated)." if releases else "."),
+                            ["app", "judge", "verdict", *(["version"] if releases else [])],
+                            registry=registry),
         "score": Histogram(f"{prefix}_score", f"Judge scores of {things} in [0, 1] (1 = good).",
                            ["app", "judge"], buckets=SCORE_BUCKETS, registry=registry),
         "eligible": Counter(f"{prefix}_eligible", f"{things.capitalize()} a judge could judge (filters "
@@ -152,7 +157,11 @@ class JudgeMetrics(JudgeSeries):
     ):
         self.registry = registry
         self.app_label = app_label
-        judge_families(self, registry, "tracejudge_judge", "trace", ("app", "judge"))
+        # (app label, record version) -> version label; `JudgeRunner` installs the stream's limiter.
+        self.version_label: Callable[[str, str | None], str] = default_version_label
+        # (app, version) -> the (judge, verdict) children counted, to remove when the version retires.
+        self._release_children: dict[tuple[str, str], set[tuple[str, str]]] = {}
+        judge_families(self, registry, "tracejudge_judge", "trace", ("app", "judge"), releases=True)
         # Judge trust (tracejudge.metrics.judges.trust.canaries, tracejudge.metrics.judges.trust.shadows):
         # never app quality.
         self.canary = Counter(
@@ -190,13 +199,23 @@ class JudgeMetrics(JudgeSeries):
         self.skipped.labels(app, judge, reason).inc()
 
     def observe_verdict(
-        self, app: str, judge: str, *, passed: bool | None, score: float | None, trace_id: str | None
+        self, app: str, judge: str, *, passed: bool | None, score: float | None, trace_id: str | None,
+        version: str = NO_VERSION,
     ) -> None:
         ex = _exemplar(trace_id)
         if passed is not None:
-            self.verdicts.labels(app, judge, "pass" if passed else "fail").inc(exemplar=ex)
+            verdict = "pass" if passed else "fail"
+            self.verdicts.labels(app, judge, verdict, version).inc(exemplar=ex)
+            if version:
+                self._release_children.setdefault((app, version), set()).add((judge, verdict))
         if score is not None:
             self.score.labels(app, judge).observe(min(1.0, max(0.0, score)), exemplar=ex)
+
+    def retire_version(self, app: str, version: str) -> None:
+        """Remove a retired version's verdict series (`VersionLabelLimiter.on_retire`)."""
+        for judge, verdict in self._release_children.pop((app, version), ()):
+            with contextlib.suppress(KeyError):  # already gone
+                self.verdicts.remove(app, judge, verdict, version)
 
     def observe_canary(self, judge: str, outcome: str) -> None:
         self.canary.labels(judge, outcome).inc()

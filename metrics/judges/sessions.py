@@ -532,7 +532,8 @@ class ConversationalGuidelines(SessionJudge):
         verdicts, why = parse_verdict_list(text, indices)
         followed = sum(verdicts.values())
         score = followed / len(indices)
-        passed = score >= self.threshold(1.0)
+        threshold = self.threshold(1.0)
+        passed = score >= threshold
         broken = [i for i in indices if not verdicts[i]]
         rationale = f"{followed}/{len(indices)} guidelines followed"
         if broken:
@@ -542,7 +543,8 @@ class ConversationalGuidelines(SessionJudge):
         if why:
             rationale += (" " if rationale.endswith(".") else ". ") + why
         return self.assessment(
-            value="yes" if passed else "no", score=score, passed=passed, rationale=rationale[:900]
+            value="yes" if passed else "no", score=score, passed=passed, rationale=rationale[:900],
+            threshold=threshold,
         )
 
 

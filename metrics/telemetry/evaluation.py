@@ -23,6 +23,8 @@ from tracejudge.metrics.app_labels import AppLabelLimiter, label_text
 from tracejudge.metrics.computed import RATIO_METRICS
 from tracejudge.metrics.cost import COST_ERROR_KEY, ignored_reason, unknown_reason
 from tracejudge.metrics.telemetry.consumer import ConsumerMetrics
+from tracejudge.metrics.telemetry.signals import SignalMetrics
+from tracejudge.metrics.version_labels import VersionLabelLimiter
 from tracejudge.schemas.record import ANOMALIES
 from tracejudge.schemas.result import EvaluationResult
 
@@ -80,7 +82,7 @@ class PrometheusExporter(ConsumerMetrics):
     """
 
     def __init__(self, registry: CollectorRegistry | None = None, *, max_apps: int = 100,
-                 ratio_metrics: Collection[str] = RATIO_METRICS) -> None:
+                 ratio_metrics: Collection[str] = RATIO_METRICS, max_versions: int = 5) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.ratio_metrics = frozenset(ratio_metrics)
         r = self.registry
@@ -121,6 +123,17 @@ class PrometheusExporter(ConsumerMetrics):
         self.app_overflow = Counter("tracejudge_app_label_overflow", "Records whose app was exported "
                                     "as 'other' because the distinct-app cap was reached.", registry=r)
         self.apps = AppLabelLimiter(max_apps, self.app_overflow)
+        # Releases (tracejudge.metrics.version_labels): the judge verdict series' `version` label.
+        self.version_overflow = Counter("tracejudge_version_label_overflow", "Judge verdicts whose version "
+                                        "was exported as 'other': a version older than the app's "
+                                        "prometheus.max_versions most recent ones.", registry=r)
+        self.version_first_seen = Gauge("tracejudge_app_version_first_seen_timestamp_seconds", "When this "
+                                        "process first saw each of an app's (at most max_versions) most "
+                                        "recent versions, Unix time: the newest is the current release.",
+                                        ["app", "version"], registry=r)
+        self.versions = VersionLabelLimiter(max_versions, self.version_overflow, self.version_first_seen)
+        # The cheap signals per app (`tracejudge_signals_total`, ...): `tracejudge.metrics.telemetry.signals`.
+        self.signals = SignalMetrics(r)
 
         # -- what the stream does ------------------------------------------------------------------
         self.records = Counter("tracejudge_records", "Kafka records consumed, by outcome: ok "
@@ -200,6 +213,7 @@ class PrometheusExporter(ConsumerMetrics):
                 s.output_tokens.inc(tokens.output)
         if rec.retrieved_context is not None:
             s.docs.observe(len(rec.retrieved_context))
+        self.signals.export(s.app, result.metrics, tokens)
         ratio_metrics = self.ratio_metrics
         for name, value in result.metrics.items():
             if value is None or name not in ratio_metrics or not 0.0 <= value <= 1.0:

@@ -6,6 +6,11 @@ outcomes counted from a sink's `WriteReport`s unless the sink registered them it
 those outcome series as a sink registers them itself: per verdict, written or found already written (a
 redelivery), skipped for good by reason, and per batch the retries asked for by reason; the MLflow sink
 also counts the earlier session feedback it deleted. Every family carries the `sink` label (its kind).
+
+Parked results (`tracejudge.consumer.stages.parking`): records a sink deferred because it cannot write
+them yet (their trace not at the backend) wait, uncommitted, to be offered again after a growing
+back-off: how many wait now, how many were parked, offered again, given up on, and how many found the
+parked set full (the partition was held instead).
 """
 
 from __future__ import annotations
@@ -54,6 +59,20 @@ class SinkMetrics(ConsumerMetrics):
         if self.writes is not None:
             for outcome in ("written", "already_written"):
                 self.writes.labels(kind, outcome)
+        self.parked = Gauge("tracejudge_sink_parked_records", "Results waiting to be offered to the sink "
+                            "again because their trace was not at the backend yet (their offsets not "
+                            "committed).", ["sink"], registry=r).labels(kind)
+        self.parked_records = Counter("tracejudge_sink_parked", "Results the sink deferred and the stage "
+                                      "parked, to offer again after a growing back-off.", ["sink"],
+                                      registry=r).labels(kind)
+        self.parked_retries = Counter("tracejudge_sink_parked_retries", "Parked results offered to the sink "
+                                      "again (one per result per offer).", ["sink"], registry=r).labels(kind)
+        self.parked_full = Counter("tracejudge_sink_park_full", "Deferred results that found the parked set "
+                                   "full (sink.max_parked_records): their partition was held instead.",
+                                   ["sink"], registry=r).labels(kind)
+        self.given_up = Counter("tracejudge_sink_given_up", "Results a sink gave up on after looking for "
+                                "their trace until its deadline, by reason (their verdicts counted in "
+                                "tracejudge_sink_skipped_total).", ["sink", "reason"], registry=r)
 
     def set_lag(self, topic: str, partition: int, lag: int) -> None:
         self._lags[(topic, partition)] = lag
@@ -84,6 +103,23 @@ class SinkMetrics(ConsumerMetrics):
         if self.skipped is not None:
             for reason, n in report.skipped.items():
                 self.skipped.labels(self.kind, reason).inc(n)
+
+    def set_parked(self, n: int) -> None:
+        self.parked.set(n)
+
+    def parked_now(self, first: int, total: int, given_up: Any = ()) -> None:
+        """After a write: `first` results newly parked, `total` parked now, `given_up` a Counter by reason."""
+        if first:
+            self.parked_records.inc(first)
+        self.parked.set(total)
+        for reason, n in dict(given_up).items():
+            self.given_up.labels(self.kind, reason).inc(n)
+
+    def parked_retried(self, n: int) -> None:
+        self.parked_retries.inc(n)
+
+    def park_full(self, n: int) -> None:
+        self.parked_full.inc(n)
 
     def retried(self, reason: str) -> None:
         if self.retries is not None:
