@@ -24,6 +24,7 @@ from support.mlflow_server import migrated_database
 from support.prometheus_stack import free_port, wait_until
 
 SERVICES = {"kafka", "kafka-init", "otel-collector", "jaeger", "mlflow", "tracejudge", "tracejudge-sessions",
+            "tracejudge-findings",
             "tracejudge-sink-mlflow", "agent", "prometheus", "alertmanager", "alert-relay", "grafana"}
 SINK = "tracejudge-sink-mlflow"
 SESSIONS = "tracejudge-sessions"

@@ -15,6 +15,10 @@ class Relay(BaseHTTPRequestHandler):
             labels, notes = alert.get("labels", {}), alert.get("annotations", {})
             print(f"[{alert.get('status')}] {labels.get('alertname')} {json.dumps(labels, sort_keys=True)}"
                   f" - {notes.get('summary')}", flush=True)
+            # The alert's links (`tracejudge alerts render`), one a line, as a chat bridge would show them.
+            for link in ("runbook_url", "dashboard_url", "traces_url"):
+                if notes.get(link):
+                    print(f"    {link}: {notes[link]}", flush=True)
         self.send_response(200)
         self.end_headers()
 
