@@ -66,8 +66,10 @@ def every_reader(trace_json: str, pipeline: Pipeline | None = None) -> list[Eval
 
 
 @pytest.fixture
-def tracking_store(tmp_path: Path) -> Iterator[None]:
-    """A real sqlite tracking store, so `mlflow.set_active_model(name=...)` creates a LoggedModel."""
+def tracking_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A real sqlite tracking store, so `mlflow.set_active_model(name=...)` creates a LoggedModel. In
+    tmp_path as the working directory: a sqlite store puts its artifacts in ./mlruns."""
+    monkeypatch.chdir(tmp_path)
     previous = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     try:
