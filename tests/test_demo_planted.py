@@ -394,12 +394,11 @@ def test_a_failing_tool_errors_on_its_span_degrades_the_answer_and_nothing_else(
 
 def test_an_ungrounded_release_states_its_version_and_answers_worse(release, healthy):
     switch = TRACES // 2
-    reads_versions = "stream.version_tag" in evaluation_overrides()
     for i, item, trace, result in release.rows():
         expected = RELEASE_VERSION if i >= switch else DEFAULT_VERSION
         assert stated_versions(trace) == {expected} and item.version == expected
-        # The demo's runner reads the version from the agent's tag (where `stream.version_tag` exists).
-        assert result.record.version == expected or not reads_versions
+        # The demo's runner reads the version from the agent's tag (`stream.version_tag`).
+        assert result.record.version == expected
     old = pass_rate(r for r in release.rows() if r[0] < switch)
     new = pass_rate(release.rows(switch))
     assert two_proportion_z(old[0], old[1], new[0], new[1]) > Z_APART, (old, new)
@@ -409,12 +408,12 @@ def test_an_ungrounded_release_states_its_version_and_answers_worse(release, hea
         old = pass_rate((r for r in release.rows() if r[0] < switch), app)
         new = pass_rate(release.rows(switch), app)
         assert wilson(*new)[1] < floor and wilson(*old)[0] >= floor + MARGIN
-        if "ReleaseRegressed" in rules:
-            # The release comparison pages too: its z and its drop over the rule's thresholds.
-            z = threshold("ReleaseRegressed", "tracejudge_judge_pass_drop:zscore1d", ">")
-            drop = threshold("ReleaseRegressed", "tracejudge_judge_pass_drop:ratio1d", ">")
-            assert two_proportion_z(old[0], old[1], new[0], new[1]) > z
-            assert old[0] / old[1] - new[0] / new[1] > drop + MARGIN
+        # The release comparison pages too: its z and its drop over the rule's thresholds.
+        assert "ReleaseRegressed" in rules
+        z = threshold("ReleaseRegressed", "tracejudge_judge_pass_drop:zscore1d", ">")
+        drop = threshold("ReleaseRegressed", "tracejudge_judge_pass_drop:ratio1d", ">")
+        assert two_proportion_z(old[0], old[1], new[0], new[1]) > z
+        assert old[0] / old[1] - new[0] / new[1] > drop + MARGIN
     assert_requests_unchanged(release, healthy)
 
 

@@ -19,17 +19,11 @@ SESSIONS_GROUP = "tracejudge-demo-sessions"
 
 def evaluation_overrides() -> dict[str, Any]:
     """How the demo's runner reads and judges the agent's traces, as `load_settings` overrides: the
-    app from the agent's tag, the version from its version tag (where this tracejudge has
-    `stream.version_tag`), and an empty judges section: with no model endpoint, the model-free
-    heuristic groundedness and relevance_to_query judges run on every answered trace. The tests
-    evaluate the agent's traces offline with the same (`Evaluator(load_settings(...,
+    app from the agent's tag, the version from its version tag, and an empty judges section: with no
+    model endpoint, the model-free heuristic groundedness and relevance_to_query judges run on every
+    answered trace. The tests evaluate the agent's traces offline with the same (`Evaluator(load_settings(...,
     overrides=evaluation_overrides(), offline=True))`)."""
-    from tracejudge.consumer.config.stream import StreamSettings
-
-    overrides: dict[str, Any] = {"stream.app_tag": APP_TAG, "judges": {}}
-    if "version_tag" in StreamSettings.model_fields:
-        overrides["stream.version_tag"] = VERSION_TAG
-    return overrides
+    return {"stream.app_tag": APP_TAG, "stream.version_tag": VERSION_TAG, "judges": {}}
 
 
 class DemoUnavailable(RuntimeError):
