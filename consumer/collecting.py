@@ -26,6 +26,10 @@ counted as dropped (`no_findings`).
 In `tracejudge run` the hook is the results publisher the runtime's producer makes
 (`CollectingResults`, an extra output of the same producer): a result's offset is released only when
 its result and each of its rows are out (acknowledged by the broker, written and synced to the file).
+A row whose file cannot be appended to (disk full, permissions) is written again after a growing
+back-off (`FILE_RETRY_S`, up to `FILE_RETRY_MAX_S`) while its offset waits, each failed attempt counted
+in `tracejudge_collection_publish_failures_total`: it is never dropped, and a process stopped meanwhile
+leaves the offset uncommitted, so the record is evaluated and the row collected again after a restart.
 """
 
 from __future__ import annotations
@@ -53,10 +57,15 @@ from tracejudge.schemas.errors import StartupError
 from tracejudge.schemas.formats.collected import collected_row, row_bytes, row_key
 from tracejudge.schemas.result import EvaluationResult, assessment_status
 
-__all__ = ["ASSUMED", "DEDUPE_SIZE", "FINDING_PAIRS", "AppendedFile", "Collected", "CollectingResults",
-           "Collector", "FindingIndex", "FindingSource", "matches", "open_files", "run_hook", "uses_findings"]
+__all__ = ["ASSUMED", "DEDUPE_SIZE", "FILE_RETRY_MAX_S", "FILE_RETRY_S", "FINDING_PAIRS", "AppendedFile",
+           "Collected", "CollectingResults", "Collector", "FindingIndex", "FindingSource", "matches",
+           "open_files", "run_hook", "uses_findings"]
 
 log = logging.getLogger("tracejudge.collections")
+
+# A failed append to a collection file is tried again after FILE_RETRY_S, doubling up to FILE_RETRY_MAX_S.
+FILE_RETRY_S = 0.5
+FILE_RETRY_MAX_S = 30.0
 
 # Trace ids remembered per rule for the dedupe (about 100 bytes each): past it the oldest is forgotten.
 DEDUPE_SIZE = 100_000
@@ -308,12 +317,6 @@ class Collector:
     def written(self, item: Collected) -> None:
         self.metrics.collected.labels(item.rule.name).inc()
 
-    def failed(self, item: Collected) -> None:
-        """The row could not be written: counted, and its trace may be collected again."""
-        self.metrics.dropped.labels(item.rule.name, "write_failed").inc()
-        with self._lock:
-            self._state[item.rule.name].seen.pop(item.key, None)
-
 
 class AppendedFile:
     """A collection file `tracejudge run` appends to: one `write` per row on an O_APPEND descriptor
@@ -421,11 +424,11 @@ class CollectingResults(ResultSink):
         if not items:
             super().publish(result, ticket)
             return
-        fan = _Fanout(ticket, 1 + sum(1 for it in items if it.rule.topic))
+        fan = _Fanout(ticket, 1 + sum(bool(it.rule.topic) + bool(it.rule.file) for it in items))
         src = result.source
         for item in items:
             if item.rule.file:
-                self._write_file(item)
+                self._write_file(item, fan, 0)
             if item.rule.topic:
                 headers = [("content-type", b"application/json"),
                            (HEADER_COLLECTION, item.rule.name.encode())]
@@ -433,17 +436,25 @@ class CollectingResults(ResultSink):
                                                kind=f"row of collection {item.rule.name}")
         super().publish(result, fan)
 
-    def _write_file(self, item: Collected) -> None:
+    def _write_file(self, item: Collected, fan: _Fanout, attempt: int) -> None:
+        """Append the row to its file and release its part of the ticket; on an OS error, try again
+        after a back-off (on a timer thread) with the offset held."""
         assert item.rule.file is not None
         try:
             self.files[item.rule.file].write(item.line)
         except OSError as exc:
-            self.collector.failed(item)
+            delay = min(FILE_RETRY_S * 2 ** attempt, FILE_RETRY_MAX_S)
+            self.collector.metrics.publish_failures.labels(item.rule.name).inc()
             self._log.warning("collection file", "cannot append to collection file %s: %s; the row of "
-                              "trace %s is not collected", item.rule.file, exc, item.key)
+                              "trace %s is written again in %.1f s, its offset waits", item.rule.file,
+                              exc.strerror or exc, item.key, delay)
+            timer = threading.Timer(delay, self._write_file, (item, fan, attempt + 1))
+            timer.daemon = True  # a process stopping leaves the offset uncommitted: collected again later
+            timer.start()
             return
         if not item.rule.topic:  # with a topic too, the broker's ack counts the row (once)
             self.collector.written(item)
+        fan.release()
 
 
 def run_hook(collector: Collector, results_topic: str | None,

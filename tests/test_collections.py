@@ -302,3 +302,55 @@ def test_run_publishes_collected_rows_to_the_topic_and_commits_after(broker, stu
                                                            {"collection": "failing", "reason": "duplicate"})
                    == len(bad) + 1, 90, message="every failing trace seen as already collected")
     assert sorted(r["trace_id"] for r in _lines(appended)) == bad
+
+
+# -- a collection file that cannot be appended to: retried, the offset held, nothing dropped -----------
+
+class _Ticket:
+    def __init__(self) -> None:
+        self.released = 0
+
+    def release(self) -> None:
+        self.released += 1
+
+
+def test_a_row_whose_file_cannot_be_written_is_retried_with_its_offset_held(tmp_path):
+    """A full disk (/dev/full: every write fails with ENOSPC) does not drop the row nor release the
+    record's offset; once the file can be written again the row is appended once and the offset goes."""
+    from prometheus_client import CollectorRegistry
+
+    from tracejudge.consumer.collecting import AppendedFile, CollectingResults, Collector
+    from tracejudge.consumer.config.collections import CollectionRule
+    from tracejudge.consumer.runtime.producing import DeadLetterSink
+    from tracejudge.schemas.record import EvalRecord
+    from tracejudge.schemas.result import EvaluationResult, SourceRef
+
+    target = tmp_path / "collected.jsonl"
+    rule = CollectionRule(name="everything", file=str(target))
+    registry = CollectorRegistry()
+    collector = Collector.build([rule], registry)
+    assert collector is not None
+    appended = AppendedFile(str(target))
+    appended.open(collector)
+    good_fd = appended.fd
+    appended.fd = os.open("/dev/full", os.O_WRONLY)
+    results = CollectingResults(None, None, None, DeadLetterSink(None, None, None), collector,
+                                {str(target): appended})
+    ticket = _Ticket()
+    record = EvalRecord(request="why is the invoice late?", response="it is not", trace_id="ab" * 16)
+    results.publish(EvaluationResult(record, SourceRef("agent_eval")), ticket)
+
+    def failures() -> float:
+        return registry.get_sample_value("tracejudge_collection_publish_failures_total",
+                                         {"collection": "everything"}) or 0
+    wait_until(lambda: failures() >= 2, 30, message="the append retried")
+    assert ticket.released == 0 and target.read_bytes() == b""
+    assert registry.get_sample_value("tracejudge_collected_total", {"collection": "everything"}) == 0
+    full_fd, appended.fd = appended.fd, good_fd
+    wait_until(lambda: ticket.released == 1, 30, message="the row written and the offset released")
+    os.close(full_fd)
+    assert [row["trace_id"] for row in _lines(target)] == ["ab" * 16]
+    assert registry.get_sample_value("tracejudge_collected_total", {"collection": "everything"}) == 1
+    assert registry.get_sample_value("tracejudge_collection_dropped_total",
+                                     {"collection": "everything", "reason": "sampled_out"}) == 0
+    appended.close()

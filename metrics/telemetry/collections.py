@@ -11,9 +11,9 @@ from prometheus_client import CollectorRegistry, Counter
 __all__ = ["DROP_REASONS", "CollectionMetrics"]
 
 # Why a trace a rule matched was not collected: outside the rule's sample; already collected (by trace
-# id); over the rule's max_per_window; no request to evaluate again; the row could not be written; a
-# `finding:` condition while no findings can be read.
-DROP_REASONS = ("sampled_out", "duplicate", "cap", "no_request", "write_failed", "no_findings")
+# id); over the rule's max_per_window; no request to evaluate again; a `finding:` condition while no
+# findings can be read. A row that cannot be written is never dropped: it is retried (publish_failures).
+DROP_REASONS = ("sampled_out", "duplicate", "cap", "no_request", "no_findings")
 
 
 class CollectionMetrics:
@@ -28,11 +28,12 @@ class CollectionMetrics:
                                  "written to its file.", ["collection"], registry=r)
         self.dropped = Counter("tracejudge_collection_dropped", "Traces a collection rule matched but did "
                                "not collect, by collection and reason (sampled_out, duplicate, cap, "
-                               "no_request, write_failed, no_findings).", ["collection", "reason"],
+                               "no_request, no_findings).", ["collection", "reason"],
                                registry=r)
         self.publish_failures = Counter("tracejudge_collection_publish_failures", "Failed attempts to "
-                                        "publish a collected row to its topic (each is retried; the "
-                                        "trace's offset waits), by collection.", ["collection"], registry=r)
+                                        "write a collected row, to its topic or its file (each is retried; "
+                                        "the trace's offset waits), by collection.", ["collection"],
+                                        registry=r)
         for name in collections:
             self.collected.labels(name)
             self.publish_failures.labels(name)
