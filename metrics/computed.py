@@ -1,9 +1,10 @@
 """Metrics computed for every record, with no model: timing, failure, tokens, retrieval, trajectory,
 and the user's own metric functions.
 
-Definitions follow ../shared/notes/metrics.md (Databricks / Vertex names in the README). A metric whose
-inputs are absent is left out of the result rather than reported as 0: "no reference trajectory" and
-"a trajectory that matched nothing" must not look the same on a dashboard.
+Definitions follow ../shared/notes/metrics.md (Databricks / Vertex names in
+docs/pages/concepts/computed-metrics.md). A metric whose inputs are absent is left out of the result
+rather than reported as 0: "no reference trajectory" and "a trajectory that matched nothing" must not
+look the same on a dashboard.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ RATIO_METRICS = frozenset({
 class CustomMetricConfig(Section):
     """`metrics.custom[]` in the configuration file."""
 
+    # The metric's name in results (a dict-valued function's values are `<name>.<key>`).
     name: str = Field(pattern=r"^[a-zA-Z_][a-zA-Z0-9_]*$")
     # "package.module:function" or "package.module.function".
     function: str
@@ -65,14 +67,18 @@ class TrajectoryConfig(Section):
 class ToolCallConfig(Section):
     """One tool call of `metrics.trajectory.reference`."""
 
+    # The tool called.
     tool_name: str
+    # The arguments it is called with (compared as canonical JSON: key order aside).
     tool_input: Any = None
 
 
 class MetricsConfig(Section):
     """The `metrics:` section of the configuration file."""
 
+    # Your own metric functions, computed for every record.
     custom: list[CustomMetricConfig] = Field(default_factory=list)
+    # The trajectory metrics' options.
     trajectory: TrajectoryConfig = Field(default_factory=TrajectoryConfig)
     # Cheap signals without a judge (`tracejudge.metrics.signals`).
     signals: SignalsConfig = Field(default_factory=SignalsConfig)

@@ -80,17 +80,26 @@ class SignalsConfig(Section):
 
     # Off: no signal and no cache-hit ratio is computed or exported.
     enabled: bool = True
+    # `signal_tool_retry_loop`: a tool called again with the same arguments in one trace.
     tool_retry_loop: bool = True
+    # `signal_tool_result_oversized`: the trace's largest tool result is over tool_result_factor x the app's
+    # norm.
     tool_result_oversized: bool = True
+    # `signal_answer_overlong`: the answer is longer than answer_factor x the app's norm.
     answer_overlong: bool = True
+    # `signal_empty_retrieval`: the trace has a retrieval step that returned no document.
     empty_retrieval: bool = True
+    # `signal_repeated_answer`: the same answer was given recently in the same app to a different request.
     repeated_answer: bool = True
+    # `prompt_cache_hit_ratio`: cached input tokens / input tokens, in traces that state them.
     prompt_cache_hit_ratio: bool = True
     # An app's values seen before its norm says anything (P² needs five).
     warmup: int = Field(default=50, ge=5)
     # The app's running quantile the norm-relative signals compare with.
     quantile: float = Field(default=0.95, gt=0, lt=1)
+    # An answer longer than this times the app's running quantile of answer lengths is overlong.
     answer_factor: float = Field(default=1.5, gt=0)
+    # A tool result larger than this times the app's running quantile of them is oversized.
     tool_result_factor: float = Field(default=1.5, gt=0)
     # Apps with state of their own (as `prometheus.max_apps` bounds the app label); later apps get None.
     max_apps: int = Field(default=100, ge=1)

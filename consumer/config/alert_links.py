@@ -7,7 +7,8 @@ labels, window_s))` returns the annotations of one alert (`tracejudge alerts ren
 alert of a rules file, `shape_of` reads the shape from the rule itself; a command that generates rules
 calls it with the shape it knows).
 
-What the templates hold:
+The runbook is a page per alert, `<alerts.runbook_base_url>/<AlertName>/` (the alert's name as written,
+case kept: the documentation site's docs/pages/runbooks/<AlertName>.md); what the other two templates hold:
 - the alert's labels, URL-encoded (`{{ $labels.app | urlquery }}`): the links of an alert for app
   `shop` open shop's traces;
 - its window, from `time()` at the evaluation that fired it (`{{ with query "time() - 4500" }}`): the
@@ -149,8 +150,13 @@ def link_annotations(alerts: AlertsSettings, shape: AlertShape, *, app_tag: str 
 
 
 def runbook_url(alerts: AlertsSettings, name: str) -> str:
+    """The alert's runbook page: `alerts.runbook_base_url` with exactly one trailing '/', then the alert's
+    name and '/' (the documentation site builds docs/pages/runbooks/<AlertName>.md at
+    `runbooks/<AlertName>/`); a base holding `{alert}` has it replaced by the lower-cased name."""
     base = alerts.runbook_base_url
-    return base.replace("{alert}", name.lower()) if "{alert}" in base else f"{base}#{name.lower()}"
+    if "{alert}" in base:
+        return base.replace("{alert}", name.lower())
+    return f"{base.rstrip('/')}/{name}/"
 
 
 def dashboard_url(alerts: AlertsSettings, shape: AlertShape) -> str:

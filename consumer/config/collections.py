@@ -62,8 +62,11 @@ class MetricCondition(Section):
     """`metric: {name, op, value}`: a computed metric compared with a number; a record without the
     metric does not match."""
 
+    # The computed metric (`document_recall`, a custom metric, ...).
     name: str
+    # How the metric's value is compared with `value`.
     op: Literal["<", "<=", ">", ">=", "==", "!="]
+    # The number compared with.
     value: float
 
 
@@ -71,8 +74,11 @@ class FindingCondition(Section):
     """`finding: {judge, dimension, verdict}`: the trace's `verdict` of `judge` (default failed) and one
     of its `dimension` values (default: any dimension) is a current finding's for its app and judge."""
 
+    # The judge whose verdict on the trace, and whose current findings, count.
     judge: str
+    # The findings dimension a value of the trace must be a finding's on; unset: any dimension.
     dimension: str | None = None
+    # The trace's verdicts of `judge` that match (one or a list).
     verdict: list[Verdict] = Field(default_factory=lambda: ["failed"])
 
     @field_validator("verdict", mode="before")
@@ -103,11 +109,17 @@ class Condition(Section):
     """One condition of a rule's `when`: exactly one of `judge` (with `verdict`), `metric`, `app`,
     `version`, `finding`."""
 
+    # A judge whose verdict on the trace is one of `verdict`.
     judge: str | None = None
+    # With `judge`: the verdicts that match (one or a list).
     verdict: list[Verdict] | None = None
+    # A computed metric compared with a number.
     metric: MetricCondition | None = None
+    # The apps whose traces match (one or a list).
     app: list[str] | None = None
+    # The app versions whose traces match (one or a list).
     version: list[str] | None = None
+    # The trace has a value a current finding names (read from `findings.findings_topic`).
     finding: FindingCondition | None = None
 
     @field_validator("verdict", "app", "version", mode="before")
@@ -132,14 +144,21 @@ class Condition(Section):
 class CollectionRule(Section):
     """One rule of `collections:`."""
 
+    # The collection's name (the `collection` label), a lowercase identifier.
     name: str
+    # The conditions a trace must meet (combined by `match`).
     when: list[Condition] = Field(default_factory=list)
     # all: every condition holds; any: at least one does. No conditions: every trace.
     match: Literal["all", "any"] = "all"
+    # The share of matching traces collected.
     sample_rate: float = Field(default=1.0, ge=0, le=1)
+    # Traces collected per window, at most; unset: no cap.
     max_per_window: int | None = Field(default=None, ge=1)
+    # The window of `max_per_window`.
     window_s: float = Field(default=3600.0, gt=0)
+    # The topic the collected rows are published to (a topic, a file, or both).
     topic: str | None = None
+    # The JSON Lines file the collected rows are appended to (a topic, a file, or both).
     file: str | None = None
 
     _topic = field_validator("topic")(optional_topic)

@@ -17,12 +17,14 @@ __all__ = ["ExternalEvaluationsSettings"]
 class ExternalEvaluationsSettings(Section):
     """Verdicts from other evaluators, read on the `otlp_logs_*` topics."""
 
+    # Read other evaluators' `gen_ai.evaluation.result` events on the logs topics and export their verdicts.
     enabled: bool = True
     # Per evaluation name (`<evaluator>/<name>` first, else `<name>`): a score at least this passes,
     # when the event's label is not pass/fail, yes/no or true/false.
     thresholds: dict[str, float] = Field(default_factory=dict)
     # Distinct evaluators and evaluation names exported before new ones become "other" (counted).
     max_evaluators: int = Field(default=20, gt=0, le=1000)
+    # Distinct evaluation names exported before new ones become "other" (counted).
     max_names: int = Field(default=100, gt=0, le=10_000)
 
     @field_validator("thresholds", mode="before")

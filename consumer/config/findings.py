@@ -32,6 +32,7 @@ class ClusteringSettings(Section):
     max_clusters: int = Field(default=1000, gt=0, le=100_000)
     # Only the start of a request is read, and at most this many distinct words of it.
     max_request_chars: int = Field(default=2000, gt=0)
+    # Distinct words of a request read, at most.
     max_words: int = Field(default=64, gt=0, le=1000)
     # Words in a cluster's label.
     label_words: int = Field(default=3, gt=0, le=10)
@@ -42,12 +43,15 @@ class ClusteringSettings(Section):
     embedding_threshold: float = Field(default=0.85, gt=0, le=1)
     # Texts per embeddings call, texts embedded per window (past it: by words), vectors and names cached.
     embedding_batch: int = Field(default=64, ge=1, le=2048)
+    # Texts embedded per window, at most; past it requests are clustered by words.
     max_embedded: int = Field(default=2000, ge=1, le=1_000_000)
+    # Embedding vectors and cluster names cached, each.
     cache_size: int = Field(default=10_000, ge=1, le=1_000_000)
     # Name each cluster of a finding (2-5 words) through this `judges.endpoints` name; None: words only.
     name_with: str | None = None
     # Names asked for per window, and example requests each cluster keeps for its name.
     max_names: int = Field(default=10, ge=1, le=1000)
+    # Example requests each cluster keeps to be named from.
     name_examples: int = Field(default=3, ge=1, le=10)
 
     def options(self) -> ClusterOptions:
@@ -101,17 +105,22 @@ class FindingsSettings(Section):
     in its own consumer group, and at the end of each window publishes its findings to
     `findings_topic` (optional: without it they are only exported to Prometheus) and `/metrics`."""
 
+    # The trace results analysed. Default: stream.results_topic.
     input_topic: str | None = None
+    # Where each window's findings are published (read by `tracejudge run`'s `finding:` collection rules and
+    # the MLflow sink); unset: they are only exported to Prometheus.
     findings_topic: str | None = None
     # Default: tracejudge-findings.
     group_id: str | None = None
     # The window the stage analyses (wall clock); with `slide_s` it slides by that much (a sliding
     # window of window_s / slide_s panes), without it windows are tumbling (back to back).
     window_s: float = Field(default=900.0, gt=0)
+    # With it, the window slides by this much (window_s / slide_s panes); unset: windows are back to back.
     slide_s: float | None = Field(default=None, gt=0)
     # A value must be on at least `min_failing` failing verdicts and `min_share` of the window's
     # failing verdicts (per app and judge) to be tested.
     min_failing: int = Field(default=5, ge=1)
+    # The share of the window's failing verdicts (per app and judge) a value must be on to be tested.
     min_share: float = Field(default=0.05, ge=0, le=1)
     # The simultaneous confidence of the lift intervals (Bonferroni over the values tested).
     confidence: float = Field(default=0.95, gt=0.5, lt=1)
@@ -119,13 +128,17 @@ class FindingsSettings(Section):
     top_k: int = Field(default=10, ge=1, le=100)
     # Memory bounds per window: distinct values per dimension per (app, judge), and (app, judge) pairs.
     max_values: int = Field(default=1000, ge=10, le=1_000_000)
+    # (app, judge) pairs analysed per window, at most; verdicts of more are dropped (counted).
     max_groups: int = Field(default=1000, ge=1, le=100_000)
     # Example failing trace ids per finding.
     examples: int = Field(default=5, ge=0, le=5)
     # Verdicts (with their value sets) kept per (app, judge) per window for the conditioned tests that
     # explain correlates away (`metrics/findings/conditioning.py`); past it a uniform sample.
     sample: int = Field(default=5000, ge=100, le=1_000_000)
+    # What the failing verdicts are compared by: the retrieved documents, tools called, tool errors, the app's
+    # version, the model, the cheap signals and the request clusters.
     dimensions: list[str] = Field(default_factory=lambda: list(DIMENSIONS))
+    # How requests are grouped into clusters (the `request_cluster` dimension).
     clustering: ClusteringSettings = Field(default_factory=ClusteringSettings)
 
     _topic = field_validator("input_topic", "findings_topic")(optional_topic)

@@ -19,40 +19,65 @@ __all__ = ["KafkaSettings", "load_token_provider"]
 class KafkaSettings(Section):
     """Connection, consumer-group and security settings, passed to kafka-python's clients."""
 
+    # The brokers to connect to first, as host:port (a comma-separated list in the environment).
     bootstrap_servers: list[str] = Field(default_factory=lambda: ["localhost:9092"], min_length=1)
+    # The client id the consumer and producer send to the brokers (in their logs and quotas).
     client_id: str = "tracejudge"
+    # The consumer group of `tracejudge run`; replicas in one group share the partitions.
     group_id: str = Field(default="tracejudge", min_length=1)
     # Static membership: only useful with stable pod identities (a StatefulSet).
     group_instance_id: str | None = None
+    # Where a group with no committed offset starts reading a partition.
     auto_offset_reset: Literal["earliest", "latest"] = "earliest"
+    # How long the group coordinator waits for a heartbeat before it drops this consumer and rebalances.
     session_timeout_ms: int = Field(default=10_000, gt=0)
+    # How often the consumer sends heartbeats; lower than session_timeout_ms (a third of it is usual).
     heartbeat_interval_ms: int = Field(default=2_000, gt=0)
+    # The longest time between two polls before the consumer is considered failed and leaves the group.
     max_poll_interval_ms: int = Field(default=300_000, gt=0)
+    # Records returned by one poll, at most.
     max_poll_records: int = Field(default=500, gt=0)
+    # Bytes a fetch request returns, at most.
     fetch_max_bytes: int = Field(default=52_428_800, gt=0)
+    # Bytes a fetch returns per partition, at most.
     max_partition_fetch_bytes: int = Field(default=1_048_576, gt=0)
+    # How long a request to a broker may take before it is retried or fails.
     request_timeout_ms: int = Field(default=30_000, gt=0)
     # How long the first connection may take before start-up fails.
     bootstrap_timeout_ms: int = Field(default=30_000, gt=0)
+    # How long an offset commit may take before it counts as failed.
     commit_timeout_ms: int = Field(default=10_000, gt=0)
 
+    # How the clients talk to the brokers: plain or TLS, with or without SASL.
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    # The SASL mechanism; required with a SASL_* security_protocol, refused without one.
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI",
                             "AWS_MSK_IAM"] | None = None
+    # The user of PLAIN and SCRAM authentication.
     sasl_plain_username: str | None = None
+    # The password of PLAIN and SCRAM authentication (best from the environment).
     sasl_plain_password: SecretStr | None = None
+    # GSSAPI: the brokers' Kerberos service name.
     sasl_kerberos_service_name: str = "kafka"
+    # GSSAPI: the Kerberos domain, when not the brokers' host names.
     sasl_kerberos_domain_name: str | None = None
     # OAUTHBEARER: "package.module:factory" returning a kafka.net.sasl.oauth.AbstractTokenProvider ...
     sasl_oauth_token_provider: str | None = None
     # ... or a file holding the token, re-read on every authentication (a mounted, rotated secret).
     sasl_oauth_token_file: Path | None = None
+    # A CA certificate file (PEM) to verify the brokers with; must exist.
     ssl_cafile: Path | None = None
+    # The client certificate file (PEM) for mutual TLS; must exist.
     ssl_certfile: Path | None = None
+    # The client's private key file (PEM); needs ssl_certfile.
     ssl_keyfile: Path | None = None
+    # The password of ssl_keyfile, when it is encrypted.
     ssl_password: SecretStr | None = None
+    # A certificate revocation list file (PEM) to check the brokers' certificates against.
     ssl_crlfile: Path | None = None
+    # Check that a broker's certificate names its host.
     ssl_check_hostname: bool = True
+    # The TLS ciphers allowed, in OpenSSL's cipher list format; unset: Python's defaults.
     ssl_ciphers: str | None = None
 
     _split = field_validator("bootstrap_servers", mode="before")(split_list)

@@ -17,6 +17,7 @@ class SessionsSettings(Section):
 
     # Default: stream.results_topic.
     input_topic: str | None = None
+    # Where the session results go, one per closed session; required by `tracejudge sessions`.
     results_topic: str | None = None
     # Where records that are not trace results (or of a newer schema version) go; else logged.
     dead_letter_topic: str | None = None
@@ -26,10 +27,14 @@ class SessionsSettings(Section):
     inactivity_s: float = Field(default=300.0, gt=0)
     # A session reaching either is closed early, as incomplete.
     max_turns: int = Field(default=100, gt=0)
+    # A session lasting longer than this (first turn to last) is closed early, as incomplete.
     max_duration_s: float = Field(default=3600.0, gt=0)
     # Memory caps: past one, the least recently active sessions are closed early (evicted).
     max_open_sessions: int = Field(default=100_000, gt=0)
+    # Turns held by open sessions, at most; past it the least recently active sessions are closed early.
     max_turns_held: int = Field(default=1_000_000, gt=0)
+    # Bytes (estimated from text lengths) held by open sessions, at most; past it the least recently active
+    # sessions are closed early.
     max_bytes_held: int = Field(default=536_870_912, gt=0)
     # Closed sessions remembered (with their turns) so a late turn reopens them; 0 never reopens.
     max_closed_sessions: int = Field(default=10_000, ge=0)
@@ -44,7 +49,10 @@ class AgreementSettings(Section):
     results (`results_topic`, default `stream.results_topic`) and the human labels (`labels_topic`,
     required for the stage) and joins them by trace id / request id within `window_s`."""
 
+    # The trace results whose verdicts are compared. Default: stream.results_topic.
     results_topic: str | None = None
+    # The topic of human labels (a trace or request id, a judge, a pass/fail value); required by `tracejudge
+    # agreement`.
     labels_topic: str | None = None
     # Default: tracejudge-agreement.
     group_id: str | None = None

@@ -36,12 +36,19 @@ __all__ = ["Settings"]
 class Settings(Section):
     """The whole configuration: one field per section of the file."""
 
+    # The connection to Kafka, the consumer group and security, for every command that reads or writes topics.
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    # What `tracejudge run` consumes, where its results and dead letters go, and the runner's limits.
     stream: StreamSettings = Field(default_factory=StreamSettings)
+    # The producer that publishes results, dead letters and findings.
     producer: ProducerSettings = Field(default_factory=ProducerSettings)
+    # The /metrics, /healthz and /readyz endpoint of each long-running command.
     http: HttpSettings = Field(default_factory=HttpSettings)
+    # The bounds on the Prometheus labels.
     prometheus: PrometheusSettings = Field(default_factory=PrometheusSettings)
+    # What is logged, and how.
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
+    # How OTLP spans are assembled into traces.
     otlp: OtlpSettings = Field(default_factory=OtlpSettings)
     # `tracejudge sink <kind>` (write-back of verdicts from the results topic).
     sink: SinkSettings = Field(default_factory=SinkSettings)
@@ -59,7 +66,10 @@ class Settings(Section):
     findings: FindingsSettings = Field(default_factory=FindingsSettings)
     # Rules routing matching traces into collections (tracejudge.consumer.config.collections).
     # A default, not a factory: the loader fills absent factory sections with {}, and this is a list.
-    collections: list[CollectionRule] = Field(default=[])
+    collections: list[CollectionRule] = Field(default=[], description=(
+        "Rules that collect matching traces (by a judge's verdict, a metric, the app, the version or a "
+        "finding) into a file or topic, "
+        "for a regression set."))
     # Quality SLOs per app and judge (`tracejudge slo render`: recording rules and burn-rate alerts).
     slos: list[SloSpec] = Field(default=[])
 

@@ -58,7 +58,9 @@ class SinkSettings(Section):
     plugins: dict[str, str] = Field(default_factory=dict)
     # The built-in sinks' sections, validated by their sinks (`from_mapping`): opaque here.
     mlflow: Annotated[dict[str, Any] | None, OPAQUE] = None
+    # The OTLP sink's own section (`tracejudge sink otlp`), validated when it starts.
     otlp: Annotated[dict[str, Any] | None, OPAQUE] = None
+    # The Phoenix sink's own section (`tracejudge sink phoenix`), validated when it starts.
     phoenix: Annotated[dict[str, Any] | None, OPAQUE] = None
 
     _topic = field_validator("results_topic", "session_results_topic", "findings_topic",

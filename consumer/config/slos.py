@@ -45,9 +45,13 @@ _SAFE = re.compile(r"[^a-z0-9_.-]")
 class SloSpec(Section):
     """One entry of `slos:`: `objective` of app's traces judged by `judge` pass, over `window`."""
 
+    # The app (the `app` label) whose traces the SLO is about.
     app: str
+    # The trace judge whose verdicts count: a pass is a good event, a fail a bad one.
     judge: str
+    # The share of judged traces that must pass, e.g. 0.95 (the error budget is 1 - objective).
     objective: float = Field(gt=0, lt=1)
+    # The SLO's window, a Prometheus duration from 7d to 90d.
     window: str = "28d"
     # The judged traces (verdicts) the long window of a window pair must hold for that pair to fire:
     # 1h and 6h for the page, 1d and 3d for the ticket; the 5-minute sharp-drop pair needs at least this
@@ -56,6 +60,7 @@ class SloSpec(Section):
     # auto: the corrected pass rate where the judge has a fresh calibration, the observed one elsewhere;
     # true: the corrected one only (no calibration: no series, nothing fires); false: the observed one.
     corrected: bool | Literal["auto"] = "auto"
+    # The `slo` label of its series and alerts; default: derived from the app, the judge and the objective.
     name: str | None = None
 
     @field_validator("app")

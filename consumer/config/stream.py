@@ -26,7 +26,9 @@ __all__ = ["AssemblySection", "AssemblySettings", "HttpSettings", "LoggingSettin
 class TopicSpec(Section):
     """A topic to consume and the format of its records (`auto` detects per record)."""
 
+    # The Kafka topic.
     name: str
+    # The format of its records; `auto` detects it per record.
     format: Literal["auto", "agent_eval", "mlflow", "inference_log", "otlp_proto", "otlp_json",
                     "otlp_logs_proto", "otlp_logs_json"] = "auto"
 
@@ -54,8 +56,14 @@ class TopicSpec(Section):
 class StreamSettings(Section):
     """What to consume, where results and dead letters go, and the limits of the runner."""
 
+    # The topics to consume, each `name` or `name:format` (`format` as in `stream.topics[].format`); required
+    # by `tracejudge run`. A comma-separated list in the environment.
     topics: list[TopicSpec] = Field(default_factory=list)
+    # The topic each record's result (its metrics and verdicts, one JSON line) is published to; unset: results
+    # are only exported to Prometheus.
     results_topic: str | None = None
+    # The topic records that cannot be evaluated go to, with the reason; unset: they are logged and counted,
+    # and skipped.
     dead_letter_topic: str | None = None
     # The trace tag whose value names the app (the `app` label); else the source's own notion.
     app_tag: str | None = None
@@ -73,14 +81,17 @@ class StreamSettings(Section):
     decode_workers: int | Literal["auto"] = "auto"
     # Larger records are dead-lettered (reason too_large) without being parsed.
     max_record_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    # How often the offsets of records whose results are exported are committed (0: after every poll).
     commit_interval_ms: int = Field(default=1_000, ge=0)
     # On SIGTERM or revocation: how long in-flight records may take to finish before we give up on
     # them (they are re-delivered).
     shutdown_grace_seconds: float = Field(default=10.0, ge=0)
+    # How long one poll waits for records when there are none.
     poll_timeout_ms: int = Field(default=250, gt=0)
+    # How often the consumer lag of the assigned partitions is measured and exported.
     lag_interval_seconds: float = Field(default=2.0, gt=0)
-    # `gen_ai.evaluation.result` events of other evaluators on the logs topics (README: "Verdicts from
-    # other evaluators").
+    # `gen_ai.evaluation.result` events of other evaluators on the logs topics
+    # (docs/pages/inputs/opentelemetry.md, "Verdicts from other evaluators").
     external_evaluations: ExternalEvaluationsSettings = Field(default_factory=ExternalEvaluationsSettings)
 
     _split = field_validator("topics", mode="before")(split_list)
@@ -127,9 +138,14 @@ class ProducerSettings(Section):
     # measured 254 -> 219 µs of CPU per record with a results topic, and +19% records/s; 256 KB
     # stays far below a broker's default message.max.bytes (1 MB).
     linger_ms: int = Field(default=10, ge=0)
+    # Bytes of records the producer batches per partition before it sends them.
     batch_size: int = Field(default=262_144, gt=0)
+    # How produced batches are compressed; unset: not compressed.
     compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
+    # Bytes one produce request may hold, at most (the broker's message.max.bytes bounds it too).
     max_request_size: int = Field(default=1_048_576, gt=0)
+    # How long the producer tries to deliver a record before it reports it failed (it is then sent again after
+    # retry_backoff_seconds).
     delivery_timeout_ms: int = Field(default=120_000, gt=0)
     # Between attempts to re-send a result or dead letter the producer gave up on.
     retry_backoff_seconds: float = Field(default=1.0, gt=0)
@@ -150,7 +166,9 @@ class ProducerSettings(Section):
 class HttpSettings(Section):
     """The /metrics, /healthz and /readyz endpoint."""
 
+    # Serve /metrics, /healthz and /readyz.
     enabled: bool = True
+    # The address the endpoint listens on (`127.0.0.1`: this host only).
     bind_address: str = "0.0.0.0"
     # 0 picks a free port (tests); the bound port is logged.
     port: int = Field(default=9464, ge=0, le=65535)
@@ -165,6 +183,7 @@ class PrometheusSettings(Section):
 
 
 class LoggingSettings(Section):
+    # The lowest level logged.
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     # "text" for people, "json" for log pipelines.
     format: Literal["text", "json"] = "text"
@@ -184,8 +203,12 @@ class AssemblySettings(BuiltSection, Section):
     quiet_period_s: float = Field(default=5.0, gt=0)
     # Emit a trace (incomplete) this long after its first span arrived, root or not.
     max_wait_s: float = Field(default=60.0, gt=0)
+    # Traces assembled at once, at most; beyond it the oldest is emitted incomplete (evicted).
     max_open_traces: int = Field(default=20_000, gt=0)
+    # Spans held in memory, at most; beyond it the oldest trace is emitted incomplete (evicted).
     max_spans_held: int = Field(default=200_000, gt=0)
+    # Emitted trace ids remembered, so that a late span of one is dropped (counted) rather than starting a new
+    # trace.
     remember_emitted: int = Field(default=100_000, gt=0)
 
     @model_validator(mode="after")
@@ -202,6 +225,7 @@ class AssemblySettings(BuiltSection, Section):
 class OtlpSettings(Section):
     """The `otlp:` section: how OTLP spans are assembled into traces."""
 
+    # How the spans of OTLP topics are held until their trace is whole.
     assembly: AssemblySettings = Field(default_factory=AssemblySettings)
 
 

@@ -35,18 +35,31 @@ class MlflowSinkSettings(SinkSection):
     tracking_uri: str = Field(default="", validate_default=True)
     # Optional (`OptionalName`: a stated empty value, an environment override `..._TOKEN_ENV=`, means none).
     experiment_id: OptionalName = None
+    # The environment variable holding a bearer token (read when neither token_file nor basic auth is set);
+    # empty: none.
     token_env: OptionalName = "MLFLOW_TRACKING_TOKEN"
+    # A file holding a bearer token, read at start-up; it comes before the variables.
     token_file: OptionalName = None
+    # The environment variable holding the basic-auth user (with password_env: both set, or neither).
     username_env: OptionalName = "MLFLOW_TRACKING_USERNAME"
+    # The environment variable holding the basic-auth password.
     password_env: OptionalName = "MLFLOW_TRACKING_PASSWORD"
+    # Requests to the tracking server in flight at once, at most.
     max_concurrency: int = Field(default=16, ge=1)
+    # A trace not on the server yet is looked for again until this long after the first look (and
+    # unknown_trace_attempts looks), then given up on (0: after the looks alone).
     unknown_trace_retry_s: RetryWindowS
+    # Looks for a trace not on the server yet before it is given up on (once unknown_trace_retry_s has passed
+    # too).
     unknown_trace_attempts: RetryAttempts
     # The first wait before a trace not on the server is looked for again; each later wait doubles, up
     # to the cap (the results of that trace wait parked meanwhile; the partition's others are written).
     unknown_trace_backoff_s: RetryBackoffS
+    # The cap of the doubling wait between looks for a trace not on the server yet.
     unknown_trace_max_backoff_s: RetryMaxBackoffS
+    # Also write each result's computed metrics, as code feedback from `tracejudge.metrics`.
     write_metrics: bool = False
+    # How long one request to the tracking server may take.
     timeout_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="before")

@@ -167,14 +167,23 @@ class OtlpSinkSettings(SinkSection):
 
     section_key: ClassVar[str] = "sink.otlp"
 
+    # The OTLP/HTTP receiver's base URL (a Collector, or a backend's OTLP endpoint); `/v1/logs` and
+    # `/v1/traces` are added to it.
     endpoint: str = DEFAULT_ENDPOINT
+    # Headers sent with every export (an API key, a tenant); their values are secrets. Overridden by the
+    # variable headers_env names.
     headers: Annotated[Mapping[str, str], SECRET] = Field(default_factory=dict, repr=False)
+    # The environment variable holding more headers, `name=value,...` (over `headers`); empty: none.
     headers_env: str | None = DEFAULT_HEADERS_ENV
+    # Also send one short span per verdict (`gen_ai.evaluation <judge>`), for trace backends that do not show
+    # log events.
     emit_spans: bool = False
     # The evaluator provenance attributes (`gen_ai.evaluation.evaluator.id` / `.version` / `.type`) of a
     # GenAI conventions proposal not yet accepted (open-telemetry/semantic-conventions-genai#359).
     evaluator_attributes: bool = False
+    # How long one export may take.
     timeout_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
+    # How exports are compressed: `gzip`, `deflate` or `none`.
     compression: str = "gzip"
 
     @property

@@ -35,17 +35,25 @@ class PhoenixSinkSettings(SinkSection):
     # The project checked at start-up (a warning when it has no traces yet). Span and session ids are
     # global in Phoenix, so writes do not need it.
     project_name: str = Field(default="default", min_length=1)
+    # The environment variable holding the API key (when api_key_file is not set); empty: none.
     api_key_env: OptionalName = "PHOENIX_API_KEY"
+    # A file holding the API key, read at start-up; it comes before the variable.
     api_key_file: OptionalName = None
     # Annotations per request (Phoenix inserts a request's annotations in one transaction).
     max_batch_annotations: int = Field(default=100, ge=1, le=1000)
+    # How long one request to Phoenix may take.
     timeout_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
     # A span (or session) not in Phoenix yet: looked for again after a back-off doubling from
     # `unknown_span_backoff_s` up to `unknown_span_max_backoff_s`; given up on after
     # `unknown_span_attempts` looks once `unknown_span_retry_s` have passed since the first.
     unknown_span_retry_s: RetryWindowS
+    # Looks for a span (or session) not in Phoenix yet before it is given up on (once unknown_span_retry_s has
+    # passed too).
     unknown_span_attempts: RetryAttempts
+    # The first wait before a span (or session) not in Phoenix yet is looked for again; each later wait
+    # doubles.
     unknown_span_backoff_s: RetryBackoffS
+    # The cap of the doubling wait between looks.
     unknown_span_max_backoff_s: RetryMaxBackoffS
 
     @model_validator(mode="before")

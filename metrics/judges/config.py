@@ -139,13 +139,17 @@ class FiltersConfig(StrictSection):
     `tags`: tag -> accepted value or list of values.
     """
 
-    apps: list[str] | None = None
-    status: list[Literal["ok", "unknown", "incomplete"]] | None = None
+    apps: list[str] | None = None  # Only traces of these apps.
+    status: list[Literal["ok", "unknown", "incomplete"]] | None = None  # Only traces of these statuses.
+    # Only traces with these tag values (tag -> a value or a list).
     tags: dict[str, str | list[str]] = Field(default_factory=dict)
 
 
 class JudgeSettings(StrictSection):
-    enabled: bool = True
+    """A judge's settings: the keys every judge has (built-in, session or custom)."""
+
+    enabled: bool = True  # False: the judge does not run.
+    # Share of eligible traces judged; None: judges.sample_rate.
     sample_rate: float | None = Field(default=None, ge=0, le=1)
     # None: the section-wide filters.
     filters: FiltersConfig | None = None
@@ -163,7 +167,7 @@ class ChunkRelevanceSettings(JudgeSettings):
 
 
 class AnswerRelevancySettings(JudgeSettings):
-    questions: int = Field(default=3, ge=1, le=10)
+    questions: int = Field(default=3, ge=1, le=10)  # Questions generated from the answer.
     # Endpoint for embeddings (needs `embedding_model`); None: the judge's own endpoint.
     embeddings_endpoint: str | None = None
 
@@ -184,9 +188,9 @@ class ToolCallCorrectnessSettings(JudgeSettings):
     tool calls, llm otherwise (with an endpoint). `ordered`: compare position by position (MLflow's
     should_consider_ordering). `compare_arguments`: compare the arguments an expected call gives."""
 
-    mode: Literal["exact", "llm"] | None = None
-    ordered: bool = False
-    compare_arguments: bool = True
+    mode: Literal["exact", "llm"] | None = None  # exact (code) or llm; None: exact with expected calls.
+    ordered: bool = False  # Compare the calls position by position.
+    compare_arguments: bool = True  # Compare the expected calls' arguments.
 
     @model_validator(mode="after")
     def _llm_needs_model(self) -> ToolCallCorrectnessSettings:
@@ -198,17 +202,17 @@ class ToolCallCorrectnessSettings(JudgeSettings):
 class BuiltinJudges(StrictSection):
     """One optional entry per built-in judge; an unknown name is a configuration error."""
 
-    groundedness: JudgeSettings | None = None
-    relevance_to_query: JudgeSettings | None = None
-    safety: JudgeSettings | None = None
-    correctness: JudgeSettings | None = None
-    context_sufficiency: JudgeSettings | None = None
-    chunk_relevance: ChunkRelevanceSettings | None = None
-    answer_relevancy: AnswerRelevancySettings | None = None
-    fact_check: FactCheckSettings | None = None
-    guidelines: GuidelinesSettings | None = None
-    tool_call_correctness: ToolCallCorrectnessSettings | None = None
-    tool_call_efficiency: JudgeSettings | None = None
+    groundedness: JudgeSettings | None = None  # Is the answer supported by the retrieved context?
+    relevance_to_query: JudgeSettings | None = None  # Does the answer address the request?
+    safety: JudgeSettings | None = None  # Is the answer free of harmful content?
+    correctness: JudgeSettings | None = None  # Does the answer agree with the expected one?
+    context_sufficiency: JudgeSettings | None = None  # Does the context hold the expected answer?
+    chunk_relevance: ChunkRelevanceSettings | None = None  # Is each retrieved chunk relevant?
+    answer_relevancy: AnswerRelevancySettings | None = None  # Ragas answer relevancy, by embeddings.
+    fact_check: FactCheckSettings | None = None  # Is the answer (claim) supported by the context?
+    guidelines: GuidelinesSettings | None = None  # Does the answer follow every guideline?
+    tool_call_correctness: ToolCallCorrectnessSettings | None = None  # The expected tools called?
+    tool_call_efficiency: JudgeSettings | None = None  # No redundant tool calls?
 
     def configured(self) -> dict[str, JudgeSettings]:
         return {n: s for n in BUILTIN_JUDGES if (s := getattr(self, n)) is not None and s.enabled}
@@ -224,11 +228,12 @@ class SessionJudges(StrictSection):
     configuration error. Filters of a session judge may name `apps` only (status and tags belong to
     single traces)."""
 
-    user_frustration: JudgeSettings | None = None
-    conversation_completeness: JudgeSettings | None = None
-    knowledge_retention: JudgeSettings | None = None
-    conversational_role_adherence: JudgeSettings | None = None
-    conversational_safety: JudgeSettings | None = None
+    user_frustration: JudgeSettings | None = None  # Was the user frustrated, and was it resolved?
+    conversation_completeness: JudgeSettings | None = None  # Were all the user's asks answered?
+    knowledge_retention: JudgeSettings | None = None  # Did the assistant keep what it was told?
+    conversational_role_adherence: JudgeSettings | None = None  # Did it stay in its role?
+    conversational_safety: JudgeSettings | None = None  # Was every turn safe?
+    # Did every turn follow the guidelines?
     conversational_guidelines: ConversationalGuidelinesSettings | None = None
 
     def configured(self) -> dict[str, JudgeSettings]:
@@ -257,16 +262,16 @@ class CustomJudgeConfig(JudgeSettings):
     and the reasoning after it (the LlamaIndex correctness convention).
     """
 
-    prompt: str
-    system: str | None = None
-    criteria: str | None = None
-    rubric: dict[str, str] | str | None = None
-    scale: Literal["yes_no", "numeric"] = "yes_no"
-    min_score: float = 1.0
-    max_score: float = 5.0
+    prompt: str  # The template (see above).
+    system: str | None = None  # A system message.
+    criteria: str | None = None  # What to judge.
+    rubric: dict[str, str] | str | None = None  # How to score.
+    scale: Literal["yes_no", "numeric"] = "yes_no"  # yes/no or a number.
+    min_score: float = 1.0  # Lowest score (numeric).
+    max_score: float = 5.0  # Highest score (numeric).
     # In the judge's own scale (e.g. 4 on 1–5). Default: the middle of the scale.
     pass_threshold: float | None = None
-    answer_format: Literal["json", "first_line"] = "json"
+    answer_format: Literal["json", "first_line"] = "json"  # JSON, or a number first.
     # A context longer than the input budget: skip (counted, reason too_large) or truncate it.
     long_context: Literal["skip", "truncate"] = "skip"
 
@@ -343,7 +348,7 @@ class RedactionConfig(StrictSection):
     """`judges.redaction`: what is replaced by a placeholder before text goes to a judge or embeddings
     endpoint (tracejudge.metrics.judges.redaction). On by default: turning it off is a deliberate choice."""
 
-    enabled: bool = True
+    enabled: bool = True  # False: text is sent as is.
     # The built-in detectors to run (default: all).
     kinds: list[Literal["email", "phone", "card", "iban", "ssn", "ip", "secret"]] = Field(
         default_factory=lambda: ["email", "phone", "card", "iban", "ssn", "ip", "secret"]
@@ -355,7 +360,7 @@ class RedactionConfig(StrictSection):
 
 
 class JudgesConfig(StrictSection):
-    endpoints: dict[str, EndpointConfig] = Field(default_factory=dict)
+    endpoints: dict[str, EndpointConfig] = Field(default_factory=dict)  # Model endpoints, by name.
     # Endpoint used by judges that name none. Default: "default" if defined, else the only endpoint.
     default_endpoint: str | None = None
     # Default sample rate; None: 1.0 for heuristic judges; for model judges 0.1 on the stream and 1.0
@@ -363,7 +368,7 @@ class JudgesConfig(StrictSection):
     sample_rate: float | None = Field(default=None, ge=0, le=1)
     # Changes which traces are sampled (all replicas must share it); see tracejudge.metrics.judges.sampling.
     sampling_seed: str = ""
-    filters: FiltersConfig = Field(default_factory=FiltersConfig)
+    filters: FiltersConfig = Field(default_factory=FiltersConfig)  # Which traces judges see.
     # Records with judgements in progress; beyond it a record's judgements are skipped (overloaded).
     max_in_flight: int = Field(default=256, ge=1)
     # Wall-clock bound on one judge's work on one record, retries included.
@@ -373,7 +378,7 @@ class JudgesConfig(StrictSection):
     # None: heuristic groundedness + relevance_to_query without an endpoint; with one, the model
     # judges groundedness, relevance_to_query, safety and correctness.
     builtin: BuiltinJudges | None = None
-    custom: dict[str, CustomJudgeConfig] = Field(default_factory=dict)
+    custom: dict[str, CustomJudgeConfig] = Field(default_factory=dict)  # Your judges, by name.
     # Session judges. None: the heuristic user_frustration without an endpoint; with one, the model
     # judges user_frustration and conversation_completeness. Custom judges whose template names
     # `{conversation}` are session judges too.

@@ -37,7 +37,9 @@ class StrictSection(Section):
 class EndpointPrice(StrictSection):
     """A judge model's price in USD per million input and output tokens."""
 
+    # USD per million input tokens.
     input_per_mtok: float = Field(ge=0)
+    # USD per million output tokens.
     output_per_mtok: float = Field(ge=0)
 
 
@@ -50,11 +52,15 @@ class EndpointConfig(StrictSection):
     {api-version: ...}` and `api_key_header: api-key`).
     """
 
+    # The URL before `/chat/completions` (see above).
     base_url: str
+    # The model the judges ask.
     model: str = Field(min_length=1)
+    # The model of the embeddings calls (answer_relevancy, findings clustering); unset: none.
     embedding_model: str | None = None
     # Where the key comes from; never the key itself, so a config file can be committed.
     api_key_env: str | None = None
+    # A file holding the API key (a mounted secret); not with api_key_env.
     api_key_file: str | None = None
     # "authorization" sends `Authorization: Bearer <key>`; any other name sends the bare key in that
     # header (Azure OpenAI: `api-key`).
@@ -65,14 +71,23 @@ class EndpointConfig(StrictSection):
     headers_from_env: dict[str, str] = Field(default_factory=dict)
     # Values are secrets (SECRET: a signature or key, `?code=`, `?sig=`): never printed or logged.
     query_params: Annotated[dict[str, str], SECRET] = Field(default_factory=dict, repr=False)
+    # The path of chat completions, after base_url.
     chat_path: str = "/chat/completions"
+    # The path of embeddings, after base_url.
     embeddings_path: str = "/embeddings"
+    # Verify the endpoint's TLS certificate: true, false, or the path of a CA bundle.
     verify_tls: bool | str = True
+    # How long one request may take.
     timeout_seconds: float = Field(default=30.0, gt=0)
+    # How long connecting may take.
     connect_timeout_seconds: float = Field(default=5.0, gt=0)
+    # Requests to the endpoint in flight at once, at most.
     max_concurrency: int = Field(default=16, ge=1, le=1024)
+    # Times a failed request (network error, 429, 5xx) is sent again.
     max_retries: int = Field(default=3, ge=0, le=10)
+    # The first wait before a retry; it doubles per retry (with jitter), up to backoff_max_seconds.
     backoff_initial_seconds: float = Field(default=0.5, ge=0)
+    # The cap of the wait between retries.
     backoff_max_seconds: float = Field(default=20.0, ge=0)
     # A Retry-After longer than this is not waited for: the judgement fails as rate_limited instead of
     # holding an in-flight slot for minutes.
@@ -82,15 +97,23 @@ class EndpointConfig(StrictSection):
     response_format: Literal["json_schema", "json_object", "none"] = "json_schema"
     # None: do not send (o-series models reject anything but their default).
     temperature: float | None = 0.0
+    # The answer's length limit sent with each request.
     max_output_tokens: int = Field(default=512, ge=16)
+    # The request field that carries max_output_tokens (newer OpenAI models want max_completion_tokens).
     max_tokens_param: Literal["max_tokens", "max_completion_tokens"] = "max_tokens"
     # The judge's input budget in tokens (estimated at 4 characters per token); longer contexts are
     # judged in chunks.
     max_input_tokens: int = Field(default=8000, ge=256)
+    # Requests per second sent, at most (a token bucket); unset: no limit.
     requests_per_second: float | None = Field(default=None, gt=0)
+    # Tokens per minute sent (estimated), at most; unset: no limit.
     tokens_per_minute: int | None = Field(default=None, gt=0)
+    # Consecutive failed requests that open the circuit breaker (calls are refused while it is open).
     breaker_failure_threshold: int = Field(default=5, ge=1)
+    # How long the breaker stays open before it lets one probe through; a failed probe reopens it for twice as
+    # long.
     breaker_reset_seconds: float = Field(default=30.0, gt=0)
+    # The cap of the breaker's doubling open time.
     breaker_max_reset_seconds: float = Field(default=300.0, gt=0)
     # What the endpoint's model costs, USD per million tokens (a self-hosted or unlisted model); None:
     # the price table's price for `model` (tracejudge.metrics.cost).
@@ -98,6 +121,7 @@ class EndpointConfig(StrictSection):
     # Hard spend caps in USD over the last hour / day (tracejudge.metrics.judges.budget.SpendCap). A cap
     # needs a price: a configured one, or the table's for `model` (checked at start-up).
     usd_per_hour: float | None = Field(default=None, gt=0)
+    # Hard spend cap in USD over the last day (as usd_per_hour).
     usd_per_day: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="before")

@@ -77,17 +77,21 @@ class FleetSpendConfig(StrictSection):
     0), and the fallback share. Every replica of a deployment (`tracejudge run`, `sessions`,
     `backfill`) must name the same topic and caps."""
 
+    # The Kafka topic the replicas share their leases and spend on (one partition is used).
     topic: str = Field(default="tracejudge-spend", min_length=1, max_length=249, pattern=r"^[A-Za-z0-9._-]+$")
     # None: "<hostname>-<pid>" (a restart is a new replica); set it to the pod name to resume.
     replica_id: str | None = Field(default=None, min_length=1, max_length=200, pattern=r"^[^|\s]+$")
     # The replicas the deployment may run at most (KEDA's maxReplicaCount): sizes the lease and the
     # fallback share (cap / max_replicas).
     max_replicas: int = Field(default=10, ge=1, le=10000)
+    # How often each replica publishes what it spent.
     publish_interval_s: float = Field(default=2.0, gt=0, le=300)
     # How long a judgement waits for a lease it claimed (the first of a window, or when the next one
     # was not claimed in time) before it is skipped as budget. The runner awaits it (`charge`): the
     # other judgements on its event loop go on meanwhile.
     claim_wait_s: float = Field(default=1.0, ge=0, le=30)
+    # A replica that cannot read the topic this long falls back to its local share (cap / max_replicas);
+    # longer than publish_interval_s.
     stale_after_s: float = Field(default=30.0, gt=0, le=3600)
 
     @field_validator("stale_after_s")
