@@ -178,9 +178,13 @@ def test_each_stage_has_its_own_documented_default_metrics_port(stage_config: Pa
     for name in STAGES:
         flat = " ".join(help_of(capsys, *STAGE_ARGV.get(name, (name,))).split())
         assert f"default {METRICS_PORTS[name]} for `{name}`" in flat, name
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    # The documentation's ports table (docs/pages/commands/index.md), and each command's own page.
+    commands = ROOT / "docs" / "pages" / "commands"
+    table = (commands / "index.md").read_text(encoding="utf-8")
     for name, port in METRICS_PORTS.items():
-        assert re.search(rf"^\| `tracejudge {name}[^|]*\| {port}\b", readme, re.MULTILINE), name
+        assert re.search(rf"^\| `tracejudge {name}[^|]*\| {port}\b", table, re.MULTILINE), name
+        page = " ".join((commands / f"{name}.md").read_text(encoding="utf-8").split())
+        assert f"port **{port}**" in page, f"docs/pages/commands/{name}.md does not say port {port}"
 
 
 def test_an_explicit_http_port_still_wins_file_then_environment_then_flag(
