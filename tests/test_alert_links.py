@@ -40,7 +40,7 @@ TRACEJUDGE = str(Path(sys.executable).parent / "tracejudge")
 CUSTOM = {
     "stream": {"app_tag": "app"},
     "alerts": {
-        "runbook_base_url": "https://wiki.example.com/runbooks/{alert}",
+        "runbook_base_url": "https://wiki.example.com/runbooks",
         "dashboard_url": "https://grafana.example.com/",
         "grafana_org_id": 3,
         "trace_search": {"kind": "mlflow",
@@ -110,7 +110,7 @@ def test_custom_config_renders_absolute_links_promtool_checks_and_expands(tmp_pa
             "exp_annotations": {
                 "summary": f"Groundedness pass rate 0% for app {app}",
                 "description": GROUNDED.format(app),
-                "runbook_url": "https://wiki.example.com/runbooks/groundednessdropped",
+                "runbook_url": "https://wiki.example.com/runbooks/GroundednessDropped/",
                 "dashboard_url": f"{quality}&var-app={app.replace(' ', '+').replace(':', '%3A')}"
                                  "&var-judge=groundedness&from=-14400000&to=7200000",
                 "traces_url": traces}} for app, traces in grounded.items()]
@@ -119,7 +119,7 @@ def test_custom_config_renders_absolute_links_promtool_checks_and_expands(tmp_pa
         "description": "The consumer group has been more than 10000 records behind the end of topic "
                        "otlp_spans for 15 minutes: scores and alerts describe old traffic.",
         # No app: the runbook and the panel, no trace search.
-        "runbook_url": "https://wiki.example.com/runbooks/consumerlaghigh",
+        "runbook_url": "https://wiki.example.com/runbooks/ConsumerLagHigh/",
         "dashboard_url": "https://grafana.example.com/d/tracejudge-operations/?orgId=3&viewPanel=5564645"
                          "&var-topic=otlp_spans&from=-14400000&to=7200000"}}]
     result = unit_test(tmp_path, rendered, series, [
@@ -157,7 +157,7 @@ def test_otlp_trace_searches_expand_to_the_evaluation_spans_query(tmp_path: Path
         "exp_annotations": {
             "summary": "Groundedness pass rate 0% for app shop assistant",
             "description": GROUNDED.format("shop assistant"),
-            "runbook_url": "https://github.com/tracejudge/tracejudge/blob/main/README.md#groundednessdropped",
+            "runbook_url": "https://tracejudge.github.io/tracejudge/runbooks/GroundednessDropped/",
             "dashboard_url": "https://grafana.example.com/d/tracejudge-quality/?orgId=3&viewPanel=7864743"
                              "&var-app=shop+assistant&var-judge=groundedness&from=-14400000&to=7200000",
             "traces_url": expected}}]}
@@ -208,7 +208,7 @@ def test_every_alert_of_any_file_gets_its_links_and_the_file_stays_valid(tmp_pat
     doc = yaml.safe_load(rendered)
     version, stuck = (r for r in doc["groups"][0]["rules"] if "alert" in r)
     assert set(version["annotations"]) == {"summary", "runbook_url", "dashboard_url", "traces_url"}
-    assert version["annotations"]["runbook_url"].endswith("#versionpasslow")
+    assert version["annotations"]["runbook_url"] == "https://tracejudge.github.io/tracejudge/runbooks/VersionPassLow/"
     # The window: 6h of verdicts read through the recording rule, plus `for: 30m`.
     assert 'query "time() - 23400"' in version["annotations"]["traces_url"]
     assert set(stuck["annotations"]) == {"runbook_url", "dashboard_url"}
@@ -237,11 +237,30 @@ def test_the_shipped_rules_are_rendered_with_the_defaults_and_packaged() -> None
 
 def test_the_module_others_call_gives_links_for_a_shape() -> None:
     links = link_annotations(AlertsSettings(), AlertShape.of("SloBurnFast", ["app", "judge"], 3600))
-    assert links["runbook_url"].endswith("#sloburnfast")
+    assert links["runbook_url"] == "https://tracejudge.github.io/tracejudge/runbooks/SloBurnFast/"
     assert 'query "time() - 3600"' in links["traces_url"]
     assert "traces_url" not in link_annotations(AlertsSettings(), AlertShape.of("Quiet", ["topic"], 60))
     off = AlertsSettings(trace_search={"kind": "none"})
     assert "traces_url" not in link_annotations(off, AlertShape.of("X", ["app", "judge"], 60))
+
+
+@pytest.mark.parametrize(("base", "folder"), [
+    ("https://docs.example.com/tj/runbooks", "https://docs.example.com/tj/runbooks/"),
+    ("https://docs.example.com/tj/runbooks/", "https://docs.example.com/tj/runbooks/"),
+    ("https://docs.example.com/tj/runbooks///", "https://docs.example.com/tj/runbooks/"),
+    ("https://docs.example.com", "https://docs.example.com/"),
+])
+def test_the_runbook_is_the_alerts_page_under_the_base_with_exactly_one_slash(base: str, folder: str) -> None:
+    settings = AlertsSettings(runbook_base_url=base)
+    assert settings.runbook_base_url == folder
+    links = link_annotations(settings, AlertShape.of("GroundednessDropped", ["app", "judge"], 4500))
+    assert links["runbook_url"] == f"{folder}GroundednessDropped/"
+
+
+def test_a_runbook_template_names_each_alert_in_the_teams_own_wiki() -> None:
+    settings = AlertsSettings(runbook_base_url="https://wiki.example.com/oncall/tracejudge-{alert}")
+    links = link_annotations(settings, AlertShape.of("GroundednessDropped", ["app", "judge"], 4500))
+    assert links["runbook_url"] == "https://wiki.example.com/oncall/tracejudge-groundednessdropped"
 
 
 @pytest.mark.parametrize("text", ["groups: {}\n", "[1, 2]\n", "groups:\n  - name: g\n", "groups: [\n",
@@ -278,7 +297,15 @@ def test_alert_panels_exist_with_the_ids_the_links_use() -> None:
 @pytest.mark.parametrize(("alerts_section", "key", "words"), [
     ({"dashboard_url": "http://admin:hunter2@grafana:3000"}, "alerts.dashboard_url", "credentials"),
     ({"runbook_base_url": "README.md"}, "alerts.runbook_base_url", "http(s) URL"),
-    ({"runbook_base_url": "https://wiki/{name}"}, "alerts.runbook_base_url", "{alert}"),
+    ({"runbook_base_url": "https://wiki/{alert}/{app}"}, "alerts.runbook_base_url",
+     "may hold '{alert}' and no other"),
+    ({"runbook_base_url": "https://github.com/o/r/blob/main/README.md#"}, "alerts.runbook_base_url",
+     "'#' fragment"),
+    ({"runbook_base_url": "https://docs.example.com/runbooks/#alerts"}, "alerts.runbook_base_url",
+     "not a README anchor"),
+    ({"runbook_base_url": "https://docs.example.com/runbooks/?v=1"}, "alerts.runbook_base_url", "query"),
+    ({"runbook_base_url": "https://u:hunter2@docs.example.com/runbooks/"}, "alerts.runbook_base_url",
+     "credentials"),
     ({"trace_search": {"kind": "zipkin"}}, "alerts.trace_search.kind", "must be one of"),
     ({"trace_search": {"mlflow": {"tracking_url": "http://m:5000/?token=abc"}}},
      "alerts.trace_search.mlflow.tracking_url", "query"),

@@ -165,7 +165,8 @@ def test_the_findings_table_sorts_by_the_lower_bound_and_a_panel_beside_it_carri
     lower = next(t["refId"] for t in table["targets"] if "_lower{" in t["expr"])
     assert table["options"]["sortBy"] == [{"displayName": organize["renameByName"][f"Value #{lower}"],
                                            "desc": True}]
-    assert "README#what-the-failures-have-in-common" in table["fieldConfig"]["defaults"]["noValue"]
+    no_value = table["fieldConfig"]["defaults"]["noValue"]
+    assert "https://tracejudge.github.io/tracejudge/guides/findings/" in no_value
     counters = [t for p in panels(quality) for t in p["targets"]
                 if "tracejudge_failure_concentration_failures_total" in families(t["expr"])]
     assert counters and all(t["exemplar"] for t in counters)

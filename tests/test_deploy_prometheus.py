@@ -15,7 +15,6 @@ import pytest
 import yaml
 from support.deploy_files import (
     ALERTMANAGER,
-    ROOT,
     RULE_TESTS,
     RULES,
     alerts,
@@ -28,7 +27,6 @@ from support.deploy_files import (
 )
 
 ALERT_NAMES = [a["alert"] for a in alerts()]
-README = ROOT / "README.md"
 RULE_TEST_FILES = sorted(RULE_TESTS.glob("*.test.yml"))
 
 
@@ -63,7 +61,7 @@ def test_the_seven_alerts_exist_with_severity_and_annotations() -> None:
         # The links are rendered from the default `alerts:` section (tests/test_alert_links.py).
         assert set(alert["annotations"]) - {"traces_url"} == {"summary", "description", "runbook_url",
                                                               "dashboard_url"}, name
-        assert alert["annotations"]["runbook_url"].endswith(f"README.md#{name.lower()}"), name
+        assert alert["annotations"]["runbook_url"].endswith(f"/runbooks/{name}/"), name
         assert "$labels" in alert["annotations"]["summary"], f"{name}: summary should name what is affected"
         assert re.fullmatch(r"\d+[smh]", alert["for"]), f"{name}: a `for:` keeps one bad scrape from paging"
 
@@ -225,15 +223,6 @@ def test_write_back_lagging_waits_fifteen_minutes_and_is_tested(tmp_path: Path) 
     shutil.copy(RULE_TESTS / "write_back_lagging.test.yml", tmp_path / "tests")
     result = run(tool("promtool"), "test", "rules", "write_back_lagging.test.yml", cwd=tmp_path / "tests")
     assert result.returncode != 0 and "FAILED" in result.stdout + result.stderr
-
-
-@pytest.mark.parametrize("alert", ALERT_NAMES)
-def test_each_runbook_is_a_readme_section(alert: str) -> None:
-    # GitHub's anchor for "### WriteBackLagging" is #writebacklagging.
-    headings = {line.lstrip("#").strip().lower() for line in README.read_text().splitlines()
-                if line.startswith("### ")}
-    (rule,) = [a for a in alerts() if a["alert"] == alert]
-    assert rule["annotations"]["runbook_url"].partition("README.md#")[2] in headings
 
 
 # --- the fast-clock derivation ----------------------------------------------------------------------

@@ -234,7 +234,7 @@ def test_ungrounded_answers_page_through_the_shipped_rules_and_alertmanager(tmp_
                 # The links are absolute, filled in by Prometheus at the evaluation that fired.
                 notes = alert["annotations"]
                 assert notes["runbook_url"].startswith("https://")
-                assert notes["runbook_url"].endswith("README.md#groundednessdropped")
+                assert notes["runbook_url"].endswith("/runbooks/GroundednessDropped/")
                 assert notes["dashboard_url"].startswith("http://localhost:3000/d/tracejudge-quality/?")
                 assert f"var-app={APP}&var-judge=groundedness" in notes["dashboard_url"]
                 window = parse_qs(urlsplit(urlsplit(notes["traces_url"]).fragment).query)

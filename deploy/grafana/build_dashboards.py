@@ -14,8 +14,8 @@ Exemplar links: Grafana takes them from the Prometheus *datasource* (`exemplarTr
 never from panel data links (a panel's field config is not applied to exemplar frames). The
 dashboards carry a `trace_url` textbox variable, the trace UI's address up to the trace id (default:
 MLflow's trace view); a destination whose URL is `${trace_url:raw}${__value.raw}` turns every exemplar
-into a link to its trace (deploy/compose/grafana/provisioning/datasources/datasources.yaml, README
-"From an exemplar to the trace").
+into a link to its trace (deploy/compose/grafana/provisioning/datasources/datasources.yaml; From an
+exemplar to the trace: https://tracejudge.github.io/tracejudge/deploying/#from-an-exemplar-to-the-trace).
 
 The dashboards are built by the modules beside this script: panels.py (variables, panels, layout and
 the PromQL helpers), quality.py and operations.py (each dashboard's rows); this script writes them.

@@ -36,6 +36,8 @@ MLFLOW_TRACE_URL = "http://localhost:5000/#/experiments/0/traces?selectedEvaluat
 # exemplar of tracejudge_session_judge_score). MLflow 3 shows a conversation, its turns and their
 # assessments at `#/experiments/<id>/chat-sessions/<session id>` (the id of `mlflow.trace.session`).
 MLFLOW_SESSION_URL = "http://localhost:5000/#/experiments/0/chat-sessions/"
+# The documentation site (docs/mkdocs.yml's site_url): texts that send the reader further link its pages.
+DOCS = "https://tracejudge.github.io/tracejudge/"
 
 Board = dashboard_builders.Dashboard
 Target = prometheus_builders.Dataquery
@@ -59,9 +61,9 @@ NO_SESSION_JUDGES = "No session judge ran in range (sessions.judges), or no sess
 NO_SINK = "No write-back sink: run tracejudge sink <kind>"
 NO_OTLP = "No OpenTelemetry input (no topic with an OTLP format)"
 NO_RELEASES = "No two releases to compare in the last day (no version stated, or one version so far)"
-NO_SLOS = "No SLOs configured: see README#quality-slos (tracejudge slo render, then load its rules file)"
+NO_SLOS = f"No SLOs configured: see {DOCS}guides/slos/ (tracejudge slo render, then load its rules file)"
 NO_FINDINGS = ("No findings: the findings stage is not running (tracejudge findings run), or nothing stands "
-               "out — see README#what-the-failures-have-in-common")
+               f"out — see {DOCS}guides/findings/")
 NO_FLEET_SPEND = "No fleet-wide spend cap (judges.fleet_spend): each replica caps its own spend alone"
 
 
@@ -97,7 +99,7 @@ def trace_url_variable(default: str = MLFLOW_TRACE_URL) -> dashboard_builders.Te
     return _textbox("trace_url", "Trace link (URL before the trace id)", default,
                     "Exemplar dots link to <this URL><trace id>. MLflow: <mlflow>/#/experiments/<id>/"
                     "traces?selectedEvaluationId=tr- ; Jaeger: <jaeger>/trace/ . "
-                    "See README, From an exemplar to the trace.")
+                    f"See From an exemplar to the trace: {DOCS}deploying/#from-an-exemplar-to-the-trace")
 
 
 def session_url_variable(default: str = MLFLOW_SESSION_URL) -> dashboard_builders.TextBoxVariable:
@@ -105,7 +107,8 @@ def session_url_variable(default: str = MLFLOW_SESSION_URL) -> dashboard_builder
     (datasource destination `${session_url:raw}${__value.raw}`)."""
     return _textbox("session_url", "Session link (URL before the session id)", default,
                     "Session judge exemplar dots link to <this URL><session id>. MLflow: <mlflow>/#/"
-                    "experiments/<id>/chat-sessions/ . See README, From an exemplar to the trace.")
+                    "experiments/<id>/chat-sessions/ . See From an exemplar to the trace: "
+                    f"{DOCS}deploying/#from-an-exemplar-to-the-trace")
 
 
 def target(expr: str, legend: str, *, exemplar: bool = False, fmt: str = "time_series",

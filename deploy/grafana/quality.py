@@ -4,6 +4,7 @@ quality SLOs, cost, and conversations (the session stage and its judges)."""
 from __future__ import annotations
 
 from panels import (
+    DOCS,
     NO_CALIBRATION,
     NO_CANARIES,
     NO_ELIGIBLE,
@@ -70,7 +71,7 @@ def quality() -> Board:
             timeseries("Pass rate: current vs previous release (1d)",
                        "Each judge's pass rate over the last day for the app's current release (its most "
                        "recently first-seen version) beside the release before it: what ReleaseRegressed "
-                       "compares (README, Releases).",
+                       f"compares ({DOCS}runbooks/ReleaseRegressed/).",
                        [target(f"app_judge_version_release:tracejudge_judge_pass:ratio1d{{{sel}}}",
                                pair + " · {{release}} {{version}}")],
                        ratio=True, empty=NO_RELEASES),
@@ -158,7 +159,8 @@ def quality() -> Board:
 
 def judge_trust() -> list[Item]:
     """The Judge trust row of the quality dashboard: observed vs corrected pass rates, calibration and
-    its staleness, agreement with human labels, canaries (README "Trusting the judges")."""
+    its staleness, agreement with human labels, canaries (Trusting the judges:
+    https://tracejudge.github.io/tracejudge/guides/trusting-the-judges/)."""
     sel, judge_only = 'app=~"$app", judge=~"$judge"', 'judge=~"$judge"'
     pair = "{{app}} · {{judge}}"
     calibration = "tracejudge_judge_calibration"
@@ -209,7 +211,8 @@ def judge_trust() -> list[Item]:
 
 def slo_budget() -> list[Item]:
     """The Quality SLOs row: each SLO's error budget left and its burn rate per window, from the rules
-    `tracejudge slo render` writes (README "Quality SLOs"); empty, with the reason, without them."""
+    `tracejudge slo render` writes (Quality SLOs: https://tracejudge.github.io/tracejudge/guides/slos/);
+    empty, with the reason, without them."""
     sel, slo = 'app=~"$app", judge=~"$judge"', "app_judge_slo:tracejudge_slo"
     budget = f"(1 - {slo}_objective:ratio{{{sel}}})"
     burn = [target(f"{slo}_error:ratio{w}{{{sel}}} / on (app, judge, slo) {budget}", "{{slo}} · " + w)
@@ -223,14 +226,15 @@ def slo_budget() -> list[Item]:
                    unit="percentunit", empty=NO_SLOS),
         timeseries("SLO burn rate per window (1 = budget spent exactly)",
                    "Error ratio over each window divided by the budget. SLOBurnFast pages on the 5m, 1h/5m "
-                   "and 6h/30m pairs, SLOBurnSlow opens a ticket on 1d/2h and 3d/6h (README).",
+                   f"and 6h/30m pairs, SLOBurnSlow opens a ticket on 1d/2h and 3d/6h ({DOCS}guides/slos/).",
                    burn, unit="none", empty=NO_SLOS),
     ]
 
 
 def cost() -> list[Item]:
     """The Cost row of the quality dashboard: what the agent's traces and the judges cost, and how much
-    of each judge endpoint's hard spend cap is left (README "What it costs: agent and judges")."""
+    of each judge endpoint's hard spend cap is left (What it costs: agent and judges:
+    https://tracejudge.github.io/tracejudge/guides/cost/)."""
     app, judge_only = 'app=~"$app"', 'judge=~"$judge"'
     return [
         row("Cost"),
@@ -277,7 +281,8 @@ def cost() -> list[Item]:
 
 def findings() -> list[Item]:
     """The findings row of the quality dashboard: what the failing verdicts of the last findings window
-    have in common (`tracejudge findings run`, README "What the failures have in common")."""
+    have in common (`tracejudge findings run`; What the failures have in common:
+    https://tracejudge.github.io/tracejudge/guides/findings/)."""
     sel = 'app=~"$app", judge=~"$judge"'
     keys = "app, judge, dimension, value"
     series = "tracejudge_failure_concentration"
