@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 TEST_WORKERS ?= 4
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint bench clean system-packages FORCE
+.PHONY: demo test docs lint bench clean system-packages FORCE
 
 # A .venv that cannot run pip on Python >= 3.11 (made by a Python that is gone or too old, or cut short
 # before pip was in it) is made again from scratch, and everything is installed into it again.
@@ -34,8 +34,8 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	@touch $@ $(VENV)/.installed-demo
 
-# Prometheus and Alertmanager (Debian packages, with apt-get as root or through sudo), and Python's venv
-# module when .venv has to be made; elsewhere it stops here with the command to run.
+# Prometheus, Alertmanager and Chromium (Debian packages, with apt-get as root or through sudo), and
+# Python's venv module when .venv has to be made; elsewhere it stops here with the command to run.
 system-packages:
 	$(if $(VENV_OK),,$(CHECK_PYTHON))
 	@sh tests/support/ensure_system_packages.sh $(if $(VENV_OK),,$(PYTHON))
@@ -46,6 +46,14 @@ demo: $(VENV)/.installed-demo
 test: system-packages $(VENV)/.installed-test
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest --numprocesses=$(TEST_WORKERS) $(PYTEST_ARGS)
+
+# The documentation site (docs/mkdocs.yml, pages in docs/pages/) into docs/site/, warnings as errors
+# (--strict: a broken link or anchor, a page missing from the nav, fails the build), as CI and
+# tests/test_docs_site.py build it. NO_MKDOCS_2_WARNING=1 silences the end-of-life banner about
+# MkDocs 2 that mkdocs-material >= 9.7 prints on every build. MkDocs and the theme come with the test
+# extra (pyproject.toml). Open docs/site/index.html, or `.venv/bin/mkdocs serve -f docs/mkdocs.yml`.
+docs: $(VENV)/.installed-test
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -f docs/mkdocs.yml -d $(CURDIR)/docs/site
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .

@@ -11,6 +11,10 @@ systemd unit that leave a mark when started. Installed plainly it enables and st
 probe is a fair one; it starts itself too where invoke-rc.d or systemd can start anything);
 installed by the script it does neither, and the machine is left as it was
 (policy-rc.d, rc links, systemd links). The probe is purged afterwards.
+
+Which packages it asks for follows from the commands on PATH (with Chromium's, `CHROMIUM` in its
+place); that is checked with stand-in commands on a PATH without apt-get, where it only says what to
+install.
 """
 
 from __future__ import annotations
@@ -145,3 +149,39 @@ def test_the_packages_are_installed_with_their_services_neither_started_nor_enab
                            check=True)
     assert machine_state() == before
 
+
+
+def run_with_commands(tmp_path: Path, commands: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    """The script, with only `commands` (stand-ins) on PATH: no apt-get, so it installs nothing."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for command in commands:
+        (bin_dir / command).write_text("#!/bin/sh\nexit 0\n")
+        (bin_dir / command).chmod(0o755)
+    return subprocess.run(["/bin/sh", str(SCRIPT)], env={"PATH": str(bin_dir), **env}, capture_output=True,
+                          text=True, timeout=60, check=False)
+
+
+PROMETHEUS = ["prometheus", "promtool", "prometheus-alertmanager", "amtool"]
+
+
+def test_chromium_is_asked_for_when_missing_unless_chromium_names_a_browser(tmp_path):
+    assert run_with_commands(tmp_path, [*PROMETHEUS, "chromium"]).returncode == 0
+
+    missing = run_with_commands(tmp_path / "no-chromium", PROMETHEUS)
+    assert missing.returncode == 1
+    assert "not found on PATH: chromium." in missing.stderr, missing.stderr
+    assert "apt-get install -y --no-install-recommends chromium" in missing.stderr
+    assert "CHROMIUM" in missing.stderr  # the way out where there is no Debian package
+
+    browser = tmp_path / "my-chrome"
+    browser.write_text("#!/bin/sh\nexit 0\n")
+    browser.chmod(0o755)
+    assert run_with_commands(tmp_path / "named", PROMETHEUS, CHROMIUM=str(browser)).returncode == 0
+
+    wrong = run_with_commands(tmp_path / "wrong", PROMETHEUS, CHROMIUM=str(tmp_path / "no-such-browser"))
+    assert wrong.returncode == 1 and "not an executable file" in wrong.stderr, wrong.stderr
+
+    both = run_with_commands(tmp_path / "both", ["prometheus", "promtool"])
+    assert "not found on PATH: prometheus-alertmanager amtool chromium." in both.stderr, both.stderr
+    assert "--no-install-recommends prometheus-alertmanager chromium" in both.stderr

@@ -6,11 +6,13 @@
 #
 # Always: Prometheus and Alertmanager, from the Debian packages `prometheus` (prometheus, promtool) and
 # `prometheus-alertmanager` (prometheus-alertmanager, amtool): promtool/amtool check the deploy files and
-# the end-to-end alerting test starts both servers. With PYTHON (passed when .venv has to be made): that
-# Python's venv module with pip, which Debian ships apart (python3.X-venv). On Debian/Ubuntu they are
-# installed with apt-get, as root or through sudo when it needs no password; `apt-get update` runs only
-# when a package is not in the package lists or the install fails (stale lists). Anywhere else this
-# prints the command to run and exits 1.
+# the end-to-end alerting test starts both servers. And Chromium, the Debian package `chromium` (command
+# chromium): tests/test_docs_site.py opens the documentation site in it, headless (a Chrome or Chromium
+# named by CHROMIUM=/path/to/binary is used instead, and then the package is not needed). With PYTHON
+# (passed when .venv has to be made): that Python's venv module with pip, which Debian ships apart
+# (python3.X-venv). On Debian/Ubuntu they are installed with apt-get, as root or through sudo when it
+# needs no password; `apt-get update` runs only when a package is not in the package lists or the
+# install fails (stale lists). Anywhere else this prints the command to run and exits 1.
 #
 # The tests run their own Prometheus and Alertmanager on free loopback ports, so the packages' system
 # services are neither started nor enabled: a temporary /usr/sbin/policy-rc.d (exit 101: "action
@@ -102,6 +104,11 @@ need() {  # need PACKAGE COMMAND...: PACKAGE is missing when one of its COMMANDs
 
 need prometheus prometheus promtool
 need prometheus-alertmanager prometheus-alertmanager amtool
+if [ -n "${CHROMIUM:-}" ]; then  # the browser tests/support/chromium.py runs instead of Debian's
+    [ -x "$CHROMIUM" ] || { echo "CHROMIUM=$CHROMIUM is not an executable file" >&2; exit 1; }
+else
+    need chromium chromium
+fi
 
 venv_package=""
 if [ -n "$python" ] && ! "$python" -c 'import ensurepip, venv' >/dev/null 2>&1; then
@@ -124,9 +131,11 @@ install="apt-get install -y --no-install-recommends $packages"
 if ! command -v apt-get >/dev/null 2>&1; then
     {
         echo "make test needs these commands, not found on PATH:${commands:- (none)}${venv_package:+ (and Python's venv with pip)}."
-        echo "There is no apt-get here (not Debian/Ubuntu), so install Prometheus and Alertmanager yourself under"
-        echo "these names, then run make test again. On macOS with Homebrew:"
+        echo "There is no apt-get here (not Debian/Ubuntu), so install them yourself under these names, then run"
+        echo "make test again. On macOS with Homebrew, Prometheus and Alertmanager:"
         echo '  brew install prometheus alertmanager && ln -s "$(brew --prefix)/bin/alertmanager" "$(brew --prefix)/bin/prometheus-alertmanager"'
+        echo "and for chromium, Google Chrome or Chromium named by CHROMIUM (or a chromium on PATH), e.g.:"
+        echo '  make test CHROMIUM="/Applications/Google Chrome.app/Contents/MacOS/Google Chrome"'
         echo "(On Debian/Ubuntu make test does it itself: apt-get install -y --no-install-recommends $packages)"
     } >&2
     exit 1
