@@ -48,7 +48,7 @@ COPY --from=build /opt/tracejudge /opt/tracejudge
 # glibc malloc: kafka-python assembles each fetch response (up to 1 MiB) in fresh buffers, which by
 # default come from mmap and are zero-filled page by page every time (~14 page faults per 22 KB
 # record). Serving them from the heap instead, and keeping up to 64 MiB of freed heap, measured +20%
-# records/s for `tracejudge run` (bench/bench_stream.py, README "Benchmarks"), at the cost of that
+# records/s for `tracejudge run` (bench/bench_stream.py, docs/pages/benchmarks.md), at the cost of that
 # much retained memory at most.
 ENV PATH=/opt/tracejudge/bin:$PATH \
     PYTHONUNBUFFERED=1 \

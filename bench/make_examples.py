@@ -1,4 +1,5 @@
-"""Write consumer/examples/traces.jsonl: the bundled example file for `tracejudge eval` and the README.
+"""Write consumer/examples/traces.jsonl: the bundled example file for `tracejudge eval`, the README's tour
+and the docs' examples.
 
 A dozen lines mixing every single-record format, each made by its real producer where there is one:
 

@@ -147,7 +147,7 @@ def test_tracejudge_normalises_the_agents_traces_into_what_the_agent_did():
         record = normalise(item.payload, app_tag=APP_TAG)
         assert record.source_format == "mlflow_v3"
         assert record.app == item.app
-        # The README promises `tr-…`; either way the OTel trace id must survive.
+        # docs/pages/concepts/record.md promises `tr-…`; either way the OTel trace id must survive.
         assert record.trace_id.endswith(item.trace_id.removeprefix("tr-"))
         assert record.request and record.request.endswith("?")
         assert record.failed is item.failed

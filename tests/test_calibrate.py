@@ -310,7 +310,7 @@ def test_calibrate_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_heuristic_on_the_calibration_kit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The kit is its own labels file; the README quotes these figures."""
+    """The kit is its own labels file; docs/pages/guides/trusting-the-judges.md quotes these figures."""
     kit = KIT / "groundedness.jsonl"
     rows: list[dict[str, Any]] = [json.loads(line) for line in kit.read_text().splitlines()]
     assert len(rows) >= 40

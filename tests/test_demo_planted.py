@@ -61,7 +61,7 @@ MARGIN = 0.05
 Z_APART = 4.0
 P_SAME = 0.001
 TRACES = 2000
-# The demo command's defaults: the healthy baseline the README promises.
+# The demo command's defaults: the healthy baseline docs/pages/getting-started.md promises.
 HEALTHY = {"ungrounded_share": DEFAULT_UNGROUNDED_SHARE, "failure_share": DEFAULT_FAILURE_SHARE,
            "frustrated_share": DEFAULT_FRUSTRATED_SHARE, "concurrent_conversations": 8}
 PLANT_AFTER = 400

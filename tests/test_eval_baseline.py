@@ -1,8 +1,8 @@
 """`tracejudge eval --fail-if-worse-than BASELINE`: the release gate on a dataset, with a real judge
 endpoint and real apps (tests/support/eval_apps.py): a broken release fails against the good release's
 baseline, the good release passes against itself, two flipped rows of twelve are noise; the interval's
-arithmetic and coverage; a bad or unrelated baseline is exit 2; the README's GitHub Actions example
-parses."""
+arithmetic and coverage; a bad or unrelated baseline is exit 2; the GitHub Actions example of the
+docs' "Gate a release on a dataset" (docs/pages/guides/gate-a-release.md) parses."""
 
 from __future__ import annotations
 
@@ -256,11 +256,11 @@ def test_pairs_are_by_request_and_rows_without_evidence_are_left_out():
     assert runs.common == [("a", 0), ("b", 0), ("c", 0)]
 
 
-# ------------------------------------------------------------------ the README's workflow
+# ------------------------------------------------------------------ the docs' workflow
 
 
-def test_the_readme_github_actions_workflow_parses_and_gates_on_the_baseline():
-    blocks = [b for b in blocks_of(REPO / "README.md")
+def test_the_documented_github_actions_workflow_parses_and_gates_on_the_baseline():
+    blocks = [b for b in blocks_of(REPO / "docs" / "pages" / "guides" / "gate-a-release.md")
               if b.heading == "Gate a release on a dataset" and b.lang == "yaml"]
     workflows = [b for b in blocks if "jobs:" in b.text]
     assert len(workflows) == 1, [b.where for b in blocks]

@@ -60,7 +60,7 @@ def stub() -> Iterator[OpenAIStub]:
         yield s
 
 
-# -- the README pattern: an endpoint, no sample_rate ---------------------------------------------
+# -- the test-suite pattern (docs/pages/guides/test-suite.md): an endpoint, no sample_rate -------
 
 
 def test_twenty_evaluate_calls_with_an_endpoint_and_no_sample_rate_all_call_the_judge_and_fail(stub):
@@ -259,7 +259,7 @@ def test_a_shadow_judge_does_not_decide_passed(stub):
     assert result.passed
 
 
-def test_the_readme_assertion_message_names_what_kept_it_from_passing(stub):
+def test_the_documented_assertion_message_names_what_kept_it_from_passing(stub):
     stub.responder = answer("no")
     judges = {"endpoints": {"default": endpoint(stub)}, "builtin": {"relevance_to_query": {}}}
     result = evaluate(request="What is the refund window?", response="Our shop sells shoes.", judges=judges)

@@ -1,7 +1,8 @@
-"""Redaction catches what the README says it catches, the same way in a trace judge's prompt, in an
-embeddings input and in a session judge's transcript; the README's list of what it does NOT detect is
-true; and the README's example of adding a detector (`judges.redaction.callable`) works as shown, run
-from the README itself against a real judge endpoint (the loopback stub)."""
+"""Redaction catches what its documentation page (docs/pages/guides/redaction.md) says it catches, the
+same way in a trace judge's prompt, in an embeddings input and in a session judge's transcript; the
+page's list of what it does NOT detect is true; and the page's example of adding a detector
+(`judges.redaction.callable`) works as shown, run from the page itself against a real judge endpoint
+(the loopback stub)."""
 
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ from tracejudge.metrics.judges.sessions import Conversation, SessionJudgeRunner
 from tracejudge.schemas.record import EvalRecord
 from tracejudge.schemas.session import Turn
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-SECTION = "## What leaves the process: redaction"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "pages" / "guides" / "redaction.md"
+TITLE = "# What leaves the process: redaction"
 
-# One example of every form the README's table claims, and what it must become (label only: numbers
+# One example of every form the page's table claims, and what it must become (label only: numbers
 # are checked by comparing the three channels).
 CLAIMED: list[tuple[str, str]] = [
     ("maria.lopez@example.org", "EMAIL"),
@@ -57,7 +58,7 @@ CLAIMED: list[tuple[str, str]] = [
 LABELLED = [("Bearer Tk9UQVJFQUxUT0tFTi1qdXN0LWEtdGVzdA", "Tk9UQVJFQUxUT0tFTi1qdXN0LWEtdGVzdA"),
             ("aws_secret_access_key = wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
              "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY")]
-# The README's "What it does not detect" examples: sent as they are.
+# The page's "What it does not detect" examples: sent as they are.
 NOT_DETECTED = ["221B Baker Street", "SW1A 1AA", "94103", "born 1985-03-14", "14/03/1985",
                 "passport 123456789", "4111.1111.1111.1111", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
                 "maria dot lopez at example dot org"]
@@ -66,9 +67,10 @@ LINE = SEPARATOR.join([v for v, _ in CLAIMED] + [t for t, _ in LABELLED])
 
 
 def section() -> str:
-    text = README.read_text(encoding="utf-8")
-    start = text.index(SECTION)
-    return text[start:text.index("\n## ", start + len(SECTION))]
+    """The redaction page, which is the whole of the section (it starts with its title)."""
+    text = PAGE.read_text(encoding="utf-8")
+    assert text.startswith(TITLE + "\n"), f"{PAGE} no longer starts with {TITLE!r}"
+    return text
 
 
 def responder(req: StubRequest) -> Reply:
@@ -125,17 +127,17 @@ def test_each_claimed_kind_is_replaced_the_same_in_a_prompt_an_embedding_and_a_t
         assert not [v for v in sent if v in str(req.body)], req.path
 
 
-def test_what_the_readme_says_is_not_detected_is_sent_as_it_is() -> None:
+def test_what_the_page_says_is_not_detected_is_sent_as_it_is() -> None:
     text = section()
     not_detected = text[text.index("**What it does not detect.**"):text.index("**Adding a detector.**")]
     redaction = Redactor().session()
     for example in NOT_DETECTED:
-        assert example in not_detected, f"{example!r} is not among the README's examples"
+        assert example in not_detected, f"{example!r} is not among the page's examples"
         sentence = f"Customer note: {example}, thanks."
         assert redaction.text(sentence) is sentence, example
 
 
-def test_the_readme_example_of_adding_a_detector_works_as_shown(
+def test_the_page_example_of_adding_a_detector_works_as_shown(
         stub: OpenAIStub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     text = section()
     example = text[text.index("**Adding a detector.**"):text.index("**Configuration, logs and dead letters")]

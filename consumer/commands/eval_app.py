@@ -85,7 +85,8 @@ _DETAIL_MAX = 300
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "running the app over a dataset",
-        "call your app for each dataset row and evaluate its answers (README: Gate a release on a dataset)")
+        "call your app for each dataset row and evaluate its answers "
+        "(https://tracejudge.github.io/tracejudge/guides/gate-a-release/)")
     target = group.add_mutually_exclusive_group()
     target.add_argument("--app-endpoint", metavar="URL",
                         help="an OpenAI-compatible chat completions endpoint serving your app: the base URL "

@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "comparing with a baseline run",
         "per judge and pass/fail metric: pass rate then and now over the same requests, the difference "
-        "with its 95% interval (README: Gate a release on a dataset)")
+        "with its 95% interval (https://tracejudge.github.io/tracejudge/guides/gate-a-release/)")
     group.add_argument("--fail-if-worse-than", metavar="BASELINE",
                        help="a results file of an earlier run over the same dataset: exit 1 when a judge's "
                             "or metric's pass rate is significantly lower now")

@@ -83,8 +83,8 @@ def sink_help(kind: str) -> tuple[str, str] | None:
     settings = (f"Settings: the sink.{kind}: section of --config: {', '.join(keys)}. "
                 if keys else f"Settings: the sink.{kind}: section of --config. ")
     epilog = (settings + "It reads sink.results_topic (default stream.results_topic) as its own consumer "
-              f"group (sink.group_id, default tracejudge-sink-{kind}); see the README, "
-              "\"Writing verdicts back\".")
+              f"group (sink.group_id, default tracejudge-sink-{kind}); see "
+              "https://tracejudge.github.io/tracejudge/writeback/")
     return summary or f"the {kind} sink", epilog
 
 

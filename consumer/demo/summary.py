@@ -81,7 +81,7 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
 
 # -- the summary -------------------------------------------------------------------------------
 
-# The runner's series the summary reads (names are the README's metrics contract).
+# The runner's series the summary reads (names are the metrics contract, docs/pages/reference/metrics.md).
 TRACES = "tracejudge_traces_total"
 RECORDS = "tracejudge_records_total"
 DEAD_LETTERS = "tracejudge_dead_letters_total"

@@ -27,7 +27,7 @@ __all__ = ["METRICS_PORTS", "add_bootstrap_servers_argument", "add_check_config_
 
 # The default port of /metrics, /healthz and /readyz per command. `run` keeps 9464 (the image's
 # EXPOSE and HEALTHCHECK, the documented contract); the others follow it in the order they are
-# usually added. deploy/ and the README's Commands table quote these.
+# usually added. deploy/ and the docs' commands page (docs/pages/commands/index.md) quote these.
 METRICS_PORTS: Final = {"run": 9464, "sink": 9465, "sessions": 9466, "agreement": 9467, "backfill": 9468,
                          "findings": 9469}
 

@@ -119,8 +119,8 @@ class SinkRecord:
     partition: int
     offset: int
     key: bytes | None
-    # The result line as `EvaluationResult.to_dict()` (or `SessionResult.to_dict()`) wrote it (README,
-    # "Result schema"): a dict for either kind, so sinks written before sessions keep working.
+    # The result line as `EvaluationResult.to_dict()` (or `SessionResult.to_dict()`) wrote it
+    # (docs/pages/concepts/record.md): a dict for either kind, so sinks written before sessions keep working.
     result: dict[str, Any]
     # The session result, for a `"kind": "session"` line (only sinks with `accepts_sessions` get
     # those); None for a trace result.

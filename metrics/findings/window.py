@@ -61,7 +61,7 @@ class FindingsOptions:
 @dataclass(slots=True)
 class Finding:
     """One value over-represented among an (app, judge)'s failing verdicts in a window. `to_dict` is the
-    stable JSON shape (README, "Failure findings")."""
+    stable JSON shape (docs/pages/guides/findings.md)."""
 
     app: str
     judge: str

@@ -1,4 +1,5 @@
-"""Prometheus metrics of the judges (names and labels are a public contract, see the README).
+"""Prometheus metrics of the judges (names and labels are a public contract, see
+docs/pages/reference/metrics.md).
 
 Label values are bounded: `judge` comes from configuration, `verdict`/`reason`/`direction` from closed
 sets, and `app` goes through the caller's `app_label` limiter (the stream's cap on distinct apps).

@@ -595,7 +595,8 @@ def _exemplar(session_id: str) -> dict[str, str]:
 
 
 class SessionJudgeMetrics(JudgeSeries):
-    """The session judges' Prometheus families (names and labels are a public contract, README).
+    """The session judges' Prometheus families (names and labels are a public contract,
+    docs/pages/reference/metrics.md).
 
     Labels are bounded: `judge` comes from configuration, `verdict` is pass/fail (or user_frustration's
     none/resolved/unresolved), `reason` a closed set, and `app` goes through `app_label` (the stream's

@@ -12,9 +12,10 @@ __all__ = ["ConsumerMetrics"]
 
 
 class ConsumerMetrics:
-    """The runtime's series on `registry`, named as `tracejudge run` names them (README, "Metrics
-    reference"). `partition_lag=False` leaves `tracejudge_consumer_lag_records` out: a stage that
-    reports its lag otherwise (a sink: `tracejudge_sink_lag_records`) overrides `set_lag`."""
+    """The runtime's series on `registry`, named as `tracejudge run` names them (the metrics reference,
+    docs/pages/reference/metrics.md). `partition_lag=False` leaves `tracejudge_consumer_lag_records`
+    out: a stage that reports its lag otherwise (a sink: `tracejudge_sink_lag_records`) overrides
+    `set_lag`."""
 
     def __init__(self, registry: CollectorRegistry, *, partition_lag: bool = True) -> None:
         r = registry

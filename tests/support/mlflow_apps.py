@@ -261,7 +261,8 @@ def with_expectations(trace_json: str, **expectations: Any) -> str:
     return trace.to_json()
 
 
-# apps where tracejudge deliberately differs from MLflow (see the README section of that name)
+# apps where tracejudge deliberately differs from MLflow (see the section of that name in
+# docs/pages/inputs/formats.md)
 
 
 @mlflow.trace(span_type=SpanType.AGENT)
