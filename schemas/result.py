@@ -1,5 +1,5 @@
 """The result line: one per evaluated record, the same shape from `tracejudge eval` (JSON Lines) and
-from `tracejudge run` (the results topic). Documented in the README under "Result schema".
+from `tracejudge run` (the results topic). Documented in docs/pages/concepts/record.md.
 
 The line is versioned (`schema_version`, `SCHEMA_VERSION`; a line without it is version 1), and every
 change to its shape raises the version. Readers ignore fields they do not know, read every version up

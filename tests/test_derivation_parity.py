@@ -3,8 +3,8 @@
 The traces are produced here by the real `mlflow` package (tests/support/mlflow_apps.py) and by
 MLflow 2.22 (tests/fixtures/mlflow2/traces.jsonl). For each, MLflow's view is computed with
 `mlflow.entities.Trace.from_json` and `mlflow.genai.utils.trace_utils` / `TraceInfo`, and ours with
-`normalise()` on the same JSON text. Where tracejudge deliberately differs (README: "Where
-tracejudge deliberately differs from MLflow"), the difference is asserted in its own test below,
+`normalise()` on the same JSON text. Where tracejudge deliberately differs (docs/pages/inputs/formats.md,
+"Where tracejudge deliberately differs from MLflow"), the difference is asserted in its own test below,
 together with what MLflow gives, so a change on either side shows up.
 """
 

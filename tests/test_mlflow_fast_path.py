@@ -367,3 +367,62 @@ def test_bytes_left_unread_are_still_checked() -> None:
     with pytest.raises(RecordError) as too_deep:
         normalise(_with_span_attribute(b"[" * 5000 + b"]" * 5000))
     assert too_deep.value.reason == errors.INVALID_JSON
+
+
+# Each tool's `mlflow.spanOutputs` (the attribute's string, itself JSON) -> the largest one's length in
+# characters. The msgspec path decodes only the results that could be the largest: a string of n bytes
+# on the wire holds at most n - 2 characters. The first cases are those where the longest on the wire
+# is not the largest: escapes (a newline is 3 bytes on the wire, 2 characters of JSON text) and
+# UTF-8 (2 bytes for "é").
+_TOOL_RESULTS = [
+    ([json.dumps("\n" * 100), json.dumps("x" * 250), json.dumps("y" * 10)], 252),
+    ([json.dumps("x" * 250), json.dumps("y" * 10), json.dumps("\n" * 100)], 252),
+    ([json.dumps("é" * 80, ensure_ascii=False), json.dumps("e" * 100)], 102),
+    ([json.dumps("é" * 80, ensure_ascii=False), json.dumps("e" * 60), json.dumps({"k": "\u2603" * 5})], 82),
+    ([json.dumps("é" * 80), json.dumps("e" * 60)], 482),  # "\u00e9": 6 characters of JSON text
+    ([json.dumps("a"), json.dumps("a"), json.dumps("ab")], 4),
+    (["", json.dumps("abc"), None], 5),
+    ([{"not": "a string " * 20}, ["nor", "this"], json.dumps("short")], 7),
+    ([{"not": "a string"}, 12345, ""], None),
+    ([None, None, None], None),
+]
+
+
+@pytest.mark.parametrize(("results", "expected"), _TOOL_RESULTS)
+def test_the_largest_tool_result_is_measured_alike(results: list[Any], expected: int | None) -> None:
+    doc = copy.deepcopy(TRACES["tools"])
+    tools = [span for span in doc["data"]["spans"] if span["attributes"].get("mlflow.spanType") == '"TOOL"']
+    assert len(tools) > len(results)  # the last tool (flaky_tool) states no result
+    for span, result in zip(tools, results, strict=False):
+        if result is None:
+            span["attributes"].pop("mlflow.spanOutputs", None)
+        else:
+            span["attributes"]["mlflow.spanOutputs"] = result
+    payload = orjson.dumps(doc)
+    record = derive(parser.parse_trace(doc, everything=False))
+    assert record.max_tool_result_chars == expected
+    assert _lean_parts(payload)[4] == expected  # read in one pass, not by the general reader
+    assert wire.derive_canonical_json(payload) == record == normalise(payload)
+
+
+@pytest.mark.parametrize(("code", "message", "events", "expected"), [
+    ("STATUS_CODE_OK", "", [], None),
+    ("STATUS_CODE_UNSET", "", [], None),
+    ("STATUS_CODE_ERROR", "timed out", [], "timed out"),
+    ("ERROR", "", [], "span 'get_weather' status is ERROR"),
+    # An exception event fails the call whatever its status says.
+    ("STATUS_CODE_OK", "", [{"name": "exception", "time_unix_nano": 1,
+                             "attributes": {"exception.type": "KeyError", "exception.message": "city"}}],
+     "KeyError: city"),
+])
+def test_a_tool_calls_error_is_read_alike(code: str, message: str, events: list[Any],
+                                          expected: str | None) -> None:
+    doc = copy.deepcopy(TRACES["tools"])
+    first = next(span for span in doc["data"]["spans"] if span["name"] == "get_weather")
+    first["status"], first["events"] = {"code": code, "message": message}, events
+    payload = orjson.dumps(doc)
+    record = derive(parser.parse_trace(doc, everything=False))
+    assert record.trajectory is not None and record.trajectory[0].error == expected
+    assert record.trajectory[-1].error == "ValueError: tool exploded"  # flaky_tool, as written
+    assert _lean_parts(payload)[2] == record.trajectory
+    assert wire.derive_canonical_json(payload) == record == normalise(payload)

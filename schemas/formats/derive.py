@@ -7,7 +7,7 @@ fields are read here, never a convention's attribute names (parsers map those on
 The rules follow MLflow's `mlflow.genai.utils.trace_utils` so scores agree with MLflow's judges,
 except where MLflow's answer is not what a judge should see (a Python `repr` of the inputs, a JSON
 dump of the whole chat history, a blank " " for a missing value). Those differences are listed in
-the README ("Where tracejudge deliberately differs from MLflow") and each has its own test.
+docs/pages/inputs/formats.md ("Where tracejudge deliberately differs from MLflow") and each has its own test.
 
 A field that cannot be derived is None, never guessed. The request and response text of a payload
 are read by `derive_text`, the token usage and cost of the model calls by `derive_usage`; this module

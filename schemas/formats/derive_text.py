@@ -4,8 +4,8 @@
 The rules follow MLflow's `mlflow.genai.utils.trace_utils` (a question under `query`, `question`,
 `input`...; the last user message of a chat; an answer's `content`, the last assistant message, an
 OpenAI Responses `output`), except where MLflow's answer is not what a judge should see (a Python
-`repr` of the inputs, a JSON dump of the whole chat history): see the README, "Where tracejudge
-deliberately differs from MLflow". Payloads are untrusted: nesting is unwrapped to a fixed depth.
+`repr` of the inputs, a JSON dump of the whole chat history): see docs/pages/inputs/formats.md, "Where
+tracejudge deliberately differs from MLflow". Payloads are untrusted: nesting is unwrapped to a fixed depth.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ pydantic schemas in `tracejudge.schemas.formats.inputs` (`MlflowTraceV3`, `Mlflo
 coercion functions; when the walk finds something wrong, the record is validated against the
 schema to name the field (`data.spans[2].start_time_unix_nano: expected an integer, got "abc"`).
 
-Version differences handled (see notes in the README):
+Version differences handled (see docs/pages/inputs/formats.md):
 * 3.x: base64 ids; 3.5 wrote hex ids, a `tr-…` span trace id and "OK"/"ERROR" status codes;
   3.0–3.4 (proto JSON) may write int64 times as strings and a root's parent as "".
 * 2.x: `request_id`/`timestamp_ms`/`execution_time_ms`/`status`/`request_metadata`; spans with

@@ -228,10 +228,9 @@ def build_trace(raw_id: str, spans: list[Span], source_format: str, app_tag: str
     app = (tags.get(app_tag) or metadata.get(app_tag) or None) if app_tag else None
     if app is None and experiment:
         app = f"{APP_PREFIX}{experiment}"
+    # The trace id, spans and format by position: a call of more than 15 keywords builds them into a dict.
     return Trace(
-        trace_id=_trace_id(raw_id),
-        spans=spans,
-        source_format=source_format,
+        _trace_id(raw_id), spans, source_format,
         app=app,
         client_request_id=client_request_id,
         state=_STATES.get(state) if state else None,

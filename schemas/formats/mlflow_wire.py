@@ -471,50 +471,80 @@ def _lean_parts(spans_raw: list[_WireSpan]) -> tuple[Span | None, list[Document]
         if tools:
             if len(tools) > 1:
                 tools.sort(key=_span_start)
-            tool_chars = _max_output_chars(tools)
+            error_codes = _ERROR_CODES
+            # `max_output_chars`: the longest result on the wire is decoded, the others only when
+            # one might measure more (n bytes hold at most n - 2 characters: `_max_output_chars`).
+            longest = second = 0
+            largest = None
             for raw in tools:
+                attrs = raw.attributes
+                outputs = attrs.outputs
+                if outputs is not None:
+                    size = len(outputs)
+                    if size > longest:
+                        second, longest, largest = longest, size, outputs
+                    elif size > second:
+                        second = size
                 if raw is root_raw:
                     failed = tool_error(root.exception, root.status is SpanStatus.ERROR, root.status_message,
                                         root.name)
                     trajectory.append(ToolCall(root.tool_name or root.name, root.inputs or None, failed))
                     continue
-                inputs = raw.attributes.inputs
+                inputs = attrs.inputs
                 if inputs is not None:
                     inputs = _tool_inputs(inputs)
                 name = tool_name(inputs) if type(inputs) is dict and "call" in inputs else None
-                trajectory.append(ToolCall(name or raw.name, inputs or None, _wire_tool_error(raw)))
+                # Nearly every call succeeded: no exception event, a status other than ERROR.
+                failed = (None if raw.events == no_events and raw.status.code not in error_codes
+                          else _wire_tool_error(raw))
+                trajectory.append(ToolCall(name or raw.name, inputs or None, failed))
+            if largest is not None:
+                tool_chars = _output_chars(largest)
+                if second - 2 > (tool_chars or 0):  # another might measure more
+                    tool_chars = _max_output_chars(tools, largest, tool_chars)
     except (Malformed, KeyError, TypeError, ValueError, RecursionError):
         raise _NotCanonical from None
     return root, retrieved, trajectory, counted, tool_chars
 
 
+# The status codes the general reader reads as ERROR (`STATUS`): a tuple, as a decoded code is a new
+# string that a set would hash first.
+_ERROR_CODES = tuple(code for code, status in STATUS.items() if status is SpanStatus.ERROR)
+
+
 def _wire_tool_error(raw: _WireSpan) -> str | None:
     """`derive.tool_error` of a raw tool span: its exception event, else its ERROR status."""
-    failed = STATUS.get(raw.status.code) is SpanStatus.ERROR
+    failed = raw.status.code in _ERROR_CODES
     if raw.events == _NO_EVENTS and not failed:
         return None
     exception = None if raw.events == _NO_EVENTS else _events_exception(raw.events)
     return tool_error(exception, failed, raw.status.message, raw.name)
 
 
-def _max_output_chars(tools: list[_WireSpan]) -> int | None:
-    """`derive.max_output_chars` of the tool spans: the length of each one's `mlflow.spanOutputs`
-    JSON text (the general reader's `Span.output_chars`)."""
-    most = None
+def _max_output_chars(tools: list[_WireSpan], measured: msgspec.Raw | None = None,
+                      most: int | None = None) -> int | None:
+    """`derive.max_output_chars` of the tool spans: the largest `_output_chars` of their raw
+    `mlflow.spanOutputs`, or `most` (that of `measured`, one of them) when larger. A JSON string of
+    n bytes holds at most n - 2 characters (its quotes, then at least a byte per character): a result
+    of n bytes is not decoded when n - 2 is no more than the largest measured yet."""
     for raw in tools:
-        size = _output_chars(raw.attributes.outputs)
-        if size is not None and (most is None or size > most):
-            most = size
+        outputs = raw.attributes.outputs
+        if outputs is not None and outputs is not measured and len(outputs) - 2 > (most or 0):
+            size = _output_chars(outputs)
+            if size is not None and (most is None or size > most):
+                most = size
     return most
 
 
 def _output_chars(outputs: msgspec.Raw | None) -> int | None:
-    """The length of a tool span's `mlflow.spanOutputs` JSON text (`Span.output_chars`)."""
+    """The length in characters of a tool span's `mlflow.spanOutputs` JSON text, the attribute's
+    string value (`Span.output_chars`); None for an empty or non-string value (one set on the span
+    directly). (Decoding costs less than counting the characters in the bytes.)"""
     if outputs is None:
         return None
     try:
         return len(_STRING_DECODER.decode(outputs)) or None
-    except msgspec.DecodeError:  # not a string: set on the span directly, not measured
+    except msgspec.DecodeError:  # not a string
         return None
 
 
