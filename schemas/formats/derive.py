@@ -597,13 +597,14 @@ def derived_record(trace: Trace, root: Span | None, retrieved: list[Document] | 
         tokens=tokens,
         timestamp=timestamp,
         tags=dict(trace.tags),
-        complete=trace.complete,
-        root_span_id=root.span_id if root is not None else None,
-        session_id=trace.session_id,
-        user_id=trace.user_id,
-        human_labels=trace.human_labels,
-        version=trace.version,
     )
+    # Set apart: a call of more than 15 keywords makes CPython build a dict of them on every record.
+    record.complete = trace.complete
+    record.root_span_id = root.span_id if root is not None else None
+    record.session_id = trace.session_id
+    record.user_id = trace.user_id
+    record.human_labels = trace.human_labels
+    record.version = trace.version
     record.max_tool_result_chars = tool_chars
     if anomaly is not None:
         add_warning(record, anomaly)
