@@ -173,3 +173,15 @@ def test_filtered_traces_are_skipped_and_not_eligible() -> None:
     assert by_name["relevance_to_query"].skipped is None and by_name["relevance_to_query"].passed is True
     assert _value(reg, "tracejudge_judge_eligible_total", app="shop", judge="groundedness") == 0
     assert _value(reg, "tracejudge_judge_eligible_total", app="shop", judge="relevance_to_query") == 1
+
+
+def test_the_point_is_what_the_sampling_page_says_so_another_tool_can_reproduce_the_sample():
+    """docs/pages/concepts/sampling.md: BLAKE2b of seed, NUL, key (UTF-8) with an 8-byte digest, as a
+    big-endian integer over 2**64."""
+    import hashlib
+
+    from tracejudge.metrics.judges.sampling import sample_point
+
+    for seed, key in [("", "tr-0af7651916cd43dd8448eb211c80319c"), ("2026-q4", "request:r-1"), ("s", "é")]:
+        digest = hashlib.blake2b((seed + "\0" + key).encode("utf-8"), digest_size=8).digest()
+        assert sample_point(key, seed) == int.from_bytes(digest, "big") / 2**64

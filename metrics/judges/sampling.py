@@ -3,7 +3,7 @@
 The sampling decision is a pure function of the trace id, so every replica of a consumer group, and a
 replay of the same topic, judges the same traces:
 
-    point(trace) = first 8 bytes of BLAKE2b(seed + "\\x00" + key), as an integer / 2**64   ∈ [0, 1)
+    point(trace) = BLAKE2b(seed + "\\x00" + key, digest_size=8), big-endian integer / 2**64   ∈ [0, 1)
     sampled      = point(trace) < sample_rate
 
 `key` is the trace id, else the request id, else (for records that carry neither) a hash of the
