@@ -106,6 +106,13 @@ need prometheus prometheus promtool
 need prometheus-alertmanager prometheus-alertmanager amtool
 if [ -n "${CHROMIUM:-}" ]; then  # the browser tests/support/chromium.py runs instead of Debian's
     [ -x "$CHROMIUM" ] || { echo "CHROMIUM=$CHROMIUM is not an executable file" >&2; exit 1; }
+elif [ -r /etc/os-release ] && grep -q '^ID=ubuntu' /etc/os-release && ! command -v chromium >/dev/null 2>&1; then
+    # Ubuntu has no chromium .deb (its chromium-browser installs a snap, which containers cannot run).
+    echo "make test needs a Chrome or Chromium for the documentation site's test. Ubuntu ships Chromium only" >&2
+    echo "as a snap; install one and name it, e.g.:" >&2
+    echo "  sudo snap install chromium && make test CHROMIUM=/snap/bin/chromium" >&2
+    echo "  (or Google Chrome's .deb: make test CHROMIUM=/usr/bin/google-chrome)" >&2
+    exit 1
 else
     need chromium chromium
 fi
