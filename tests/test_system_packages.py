@@ -185,3 +185,18 @@ def test_chromium_is_asked_for_when_missing_unless_chromium_names_a_browser(tmp_
     both = run_with_commands(tmp_path / "both", ["prometheus", "promtool"])
     assert "not found on PATH: prometheus-alertmanager amtool chromium." in both.stderr, both.stderr
     assert "--no-install-recommends prometheus-alertmanager chromium" in both.stderr
+
+
+def test_on_ubuntu_a_missing_chromium_is_named_with_the_way_to_get_one(tmp_path):
+    """Ubuntu has no chromium .deb (chromium-browser installs a snap): the script says what to do
+    instead of failing inside apt-get."""
+    ubuntu = tmp_path / "os-release"
+    ubuntu.write_text('NAME="Ubuntu"\nID=ubuntu\nVERSION_ID="24.04"\n')
+    told = run_with_commands(tmp_path / "ubuntu", PROMETHEUS, TRACEJUDGE_OS_RELEASE=str(ubuntu))
+    assert told.returncode == 1
+    assert "snap install chromium" in told.stderr and "CHROMIUM=" in told.stderr, told.stderr
+    assert "apt-get install" not in told.stderr
+    debian = tmp_path / "debian-release"
+    debian.write_text('NAME="Debian GNU/Linux"\nID=debian\n')
+    asked = run_with_commands(tmp_path / "debian", PROMETHEUS, TRACEJUDGE_OS_RELEASE=str(debian))
+    assert "--no-install-recommends chromium" in asked.stderr, asked.stderr

@@ -102,11 +102,19 @@ need() {  # need PACKAGE COMMAND...: PACKAGE is missing when one of its COMMANDs
     done
 }
 
+is_ubuntu() {  # is_ubuntu OS_RELEASE_FILE (another file only in tests/test_system_packages.py)
+    [ -r "$1" ] || return 1
+    while IFS= read -r line; do
+        case "$line" in ID=ubuntu|ID=\"ubuntu\") return 0 ;; esac
+    done < "$1"
+    return 1
+}
+
 need prometheus prometheus promtool
 need prometheus-alertmanager prometheus-alertmanager amtool
 if [ -n "${CHROMIUM:-}" ]; then  # the browser tests/support/chromium.py runs instead of Debian's
     [ -x "$CHROMIUM" ] || { echo "CHROMIUM=$CHROMIUM is not an executable file" >&2; exit 1; }
-elif [ -r /etc/os-release ] && grep -q '^ID=ubuntu' /etc/os-release && ! command -v chromium >/dev/null 2>&1; then
+elif is_ubuntu "${TRACEJUDGE_OS_RELEASE:-/etc/os-release}" && ! command -v chromium >/dev/null 2>&1; then
     # Ubuntu has no chromium .deb (its chromium-browser installs a snap, which containers cannot run).
     echo "make test needs a Chrome or Chromium for the documentation site's test. Ubuntu ships Chromium only" >&2
     echo "as a snap; install one and name it, e.g.:" >&2
