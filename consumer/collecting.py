@@ -39,7 +39,7 @@ import operator
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -414,6 +414,7 @@ class CollectingResults(ResultSink):
                                                                          m.publish_failures.labels(r.name)),
                                         dead_letters) for r in collector.rules if r.topic}
         self._log = RateLimitedLog(log)
+        self._backlogs: dict[str, _FileBacklog] = {}
 
     def publish(self, result: EvaluationResult, ticket: Releasable) -> None:
         try:
@@ -428,7 +429,7 @@ class CollectingResults(ResultSink):
         src = result.source
         for item in items:
             if item.rule.file:
-                self._write_file(item, fan, 0)
+                self._write_file(item, fan)
             if item.rule.topic:
                 headers = [("content-type", b"application/json"),
                            (HEADER_COLLECTION, item.rule.name.encode())]
@@ -436,25 +437,87 @@ class CollectingResults(ResultSink):
                                                kind=f"row of collection {item.rule.name}")
         super().publish(result, fan)
 
-    def _write_file(self, item: Collected, fan: _Fanout, attempt: int) -> None:
-        """Append the row to its file and release its part of the ticket; on an OS error, try again
-        after a back-off (on a timer thread) with the offset held."""
+    def _write_file(self, item: Collected, fan: _Fanout) -> None:
+        """Append the row to its file and release its part of the ticket; on an OS error (or while
+        earlier rows of the file wait), hand it to the file's backlog, which writes it again in order
+        with the offset held."""
         assert item.rule.file is not None
+        backlog = self._backlogs.get(item.rule.file)
+        if backlog is not None and backlog.waiting():
+            backlog.add(item, fan)
+            return
         try:
             self.files[item.rule.file].write(item.line)
         except OSError as exc:
-            delay = min(FILE_RETRY_S * 2 ** attempt, FILE_RETRY_MAX_S)
-            self.collector.metrics.publish_failures.labels(item.rule.name).inc()
-            self._log.warning("collection file", "cannot append to collection file %s: %s; the row of "
-                              "trace %s is written again in %.1f s, its offset waits", item.rule.file,
-                              exc.strerror or exc, item.key, delay)
-            timer = threading.Timer(delay, self._write_file, (item, fan, attempt + 1))
-            timer.daemon = True  # a process stopping leaves the offset uncommitted: collected again later
-            timer.start()
+            self._append_failed(item, exc, FILE_RETRY_S)
+            if backlog is None:
+                backlog = self._backlogs.setdefault(item.rule.file, _FileBacklog(
+                    self.files[item.rule.file], self._append_failed, self._appended))
+            backlog.add(item, fan)
             return
+        self._appended(item, fan)
+
+    def _appended(self, item: Collected, fan: _Fanout) -> None:
         if not item.rule.topic:  # with a topic too, the broker's ack counts the row (once)
             self.collector.written(item)
         fan.release()
+
+    def _append_failed(self, item: Collected, exc: OSError, delay: float) -> None:
+        self.collector.metrics.publish_failures.labels(item.rule.name).inc()
+        self._log.warning("collection file", "cannot append to collection file %s: %s; the row of trace %s "
+                          "is written again in %.1f s, its offset waits", item.rule.file,
+                          exc.strerror or exc, item.key, delay)
+
+
+class _FileBacklog:
+    """The rows of one collection file whose append failed, and those behind them: written again in
+    order by one daemon thread (started with the first), after a back-off that grows while the file
+    keeps failing. A process stopping meanwhile leaves their offsets uncommitted: collected again later.
+    Bounded as the records in flight are (`stream.max_in_flight`): each row holds its record's offset."""
+
+    def __init__(self, file: AppendedFile, failed: Callable[[Collected, OSError, float], None],
+                 written: Callable[[Collected, _Fanout], None]) -> None:
+        self.file = file
+        self._failed = failed
+        self._written = written
+        self._queue: deque[tuple[Collected, _Fanout]] = deque()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def waiting(self) -> bool:
+        with self._cond:
+            return bool(self._queue)
+
+    def add(self, item: Collected, fan: _Fanout) -> None:
+        with self._cond:
+            self._queue.append((item, fan))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"collection-file {self.file.path}",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        delay = FILE_RETRY_S  # the first row is here because its append failed
+        while True:
+            with self._cond:
+                if not self._queue:
+                    while not self._queue:
+                        self._cond.wait()
+                    delay = FILE_RETRY_S  # an empty backlog takes a row only when its append failed
+                item, fan = self._queue[0]
+            if delay:
+                time.sleep(delay)
+            try:
+                self.file.write(item.line)
+            except OSError as exc:
+                delay = min(max(delay, FILE_RETRY_S) * 2, FILE_RETRY_MAX_S)
+                self._failed(item, exc, delay)
+                continue
+            with self._cond:
+                self._queue.popleft()
+            self._written(item, fan)
+            delay = 0.0  # the rows behind it at once, while the file takes them
 
 
 def run_hook(collector: Collector, results_topic: str | None,

@@ -336,21 +336,23 @@ def test_a_row_whose_file_cannot_be_written_is_retried_with_its_offset_held(tmp_
     appended.fd = os.open("/dev/full", os.O_WRONLY)
     results = CollectingResults(None, None, None, DeadLetterSink(None, None, None), collector,
                                 {str(target): appended})
-    ticket = _Ticket()
-    record = EvalRecord(request="why is the invoice late?", response="it is not", trace_id="ab" * 16)
-    results.publish(EvaluationResult(record, SourceRef("agent_eval")), ticket)
+    tickets = [_Ticket(), _Ticket()]
+    for t, trace in zip(tickets, ("ab" * 16, "cd" * 16), strict=True):  # the second waits behind the first
+        record = EvalRecord(request="why is the invoice late?", response="it is not", trace_id=trace)
+        results.publish(EvaluationResult(record, SourceRef("agent_eval")), t)
 
     def failures() -> float:
         return registry.get_sample_value("tracejudge_collection_publish_failures_total",
                                          {"collection": "everything"}) or 0
     wait_until(lambda: failures() >= 2, 30, message="the append retried")
-    assert ticket.released == 0 and target.read_bytes() == b""
+    assert [t.released for t in tickets] == [0, 0] and target.read_bytes() == b""
     assert registry.get_sample_value("tracejudge_collected_total", {"collection": "everything"}) == 0
     full_fd, appended.fd = appended.fd, good_fd
-    wait_until(lambda: ticket.released == 1, 30, message="the row written and the offset released")
+    wait_until(lambda: [t.released for t in tickets] == [1, 1], 30,
+               message="the rows written and the offsets released")
     os.close(full_fd)
-    assert [row["trace_id"] for row in _lines(target)] == ["ab" * 16]
-    assert registry.get_sample_value("tracejudge_collected_total", {"collection": "everything"}) == 1
+    assert [row["trace_id"] for row in _lines(target)] == ["ab" * 16, "cd" * 16]  # in order, once each
+    assert registry.get_sample_value("tracejudge_collected_total", {"collection": "everything"}) == 2
     # Not dropped for any reason: every series of the drop counter, whatever reasons it has, stays at 0.
     dropped = {sample.labels["reason"]: sample.value for family in registry.collect()
                if family.name == "tracejudge_collection_dropped" for sample in family.samples
