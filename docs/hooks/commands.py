@@ -24,8 +24,10 @@ import importlib
 import io
 import os
 import re
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from mkdocs.exceptions import PluginError
@@ -33,12 +35,18 @@ from mkdocs.exceptions import PluginError
 from tracejudge.consumer.commands import cli
 from tracejudge.consumer.config import BUILTIN_SINKS
 
-__all__ = ["COLUMNS", "MARKER", "UnknownCommand", "fixed_width", "markers_of", "on_page_markdown", "render",
+HOOKS = Path(__file__).resolve().parent
+if str(HOOKS) not in sys.path:  # markers.py beside this file, also when a test imports it
+    sys.path.insert(0, str(HOOKS))
+
+from markers import generated_markers  # noqa: E402
+
+__all__ = ["COLUMNS", "USAGE", "UnknownCommand", "fixed_width", "markers_of", "on_page_markdown", "render",
            "usage"]
 
 COLUMNS = 80
-MARKER = re.compile(r"^<!--\s*generated:\s*usage\b\s*(.*?)\s*-->\s*$")
-_FENCE = re.compile(r"^\s*(```+|~~~+)")
+# A marker of docs/hooks/markers.py whose text is `usage tracejudge ...`.
+USAGE = re.compile(r"^usage\b\s*(.*)$")
 # Words after a command's subcommands that select its help: (command path) -> the words allowed.
 _ARGUMENT_WORDS: dict[tuple[str, ...], Callable[[], set[str]]] = {
     ("sink",): lambda: set(BUILTIN_SINKS),
@@ -116,21 +124,16 @@ def usage(words: Sequence[str], columns: int = COLUMNS) -> str:
 
 def markers_of(markdown: str) -> list[tuple[int, list[str]]]:
     """(line index, the words after `tracejudge`) of every usage marker outside fenced blocks."""
+    lines = markdown.splitlines()
     found: list[tuple[int, list[str]]] = []
-    fence: str | None = None
-    for n, line in enumerate(markdown.splitlines()):
-        if m := _FENCE.match(line):
-            if fence is None:
-                fence = m.group(1)
-            elif m.group(1).startswith(fence):
-                fence = None
+    for n, text in generated_markers(lines):
+        if (m := USAGE.match(text)) is None:
             continue
-        if fence is None and (m := MARKER.match(line)):
-            words = m.group(1).split()
-            if not words or words[0] != "tracejudge":
-                raise UnknownCommand(f"line {n + 1}: usage marker {line.strip()!r} names no `tracejudge` "
-                                     "command")
-            found.append((n, words[1:]))
+        words = m.group(1).split()
+        if not words or words[0] != "tracejudge":
+            raise UnknownCommand(f"line {n + 1}: usage marker {lines[n].strip()!r} names no `tracejudge` "
+                                 "command")
+        found.append((n, words[1:]))
     return found
 
 

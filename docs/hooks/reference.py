@@ -12,7 +12,6 @@ of the package.
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,9 +26,7 @@ if str(HOOKS) not in sys.path:  # the generators beside this file, also when a t
 
 import reference_config  # noqa: E402
 import reference_metrics  # noqa: E402
-
-MARKER = re.compile(r"^[ \t]*<!--[ \t]*generated:(.*?)-->[ \t]*$")
-_FENCE = re.compile(r"^[ \t]*(```+|~~~+)")
+from markers import generated_markers  # noqa: E402
 
 GENERATORS: dict[str, Callable[[], str]] = {
     "configuration": reference_config.render,
@@ -54,17 +51,10 @@ def on_config(config: Any, **kwargs: Any) -> Any:
 def on_page_markdown(markdown: str, page: Any = None, **kwargs: Any) -> str:
     """Each marker line (outside fenced code) replaced by its generated text."""
     where = _where(page)
-    out: list[str] = []
-    fence: str | None = None
-    for line in markdown.split("\n"):
-        opened = _FENCE.match(line)
-        if opened and (fence is None or opened.group(1).startswith(fence)):
-            fence = opened.group(1)[:3] if fence is None else None
-            out.append(line)
-            continue
-        match = MARKER.match(line) if fence is None else None
-        out.append(line if match is None else _fill(match.group(1).strip(), line, where))
-    return "\n".join(out)
+    lines = markdown.split("\n")
+    for n, name in generated_markers(lines):
+        lines[n] = _fill(name, lines[n], where)
+    return "\n".join(lines)
 
 
 def _fill(name: str, line: str, where: str) -> str:
